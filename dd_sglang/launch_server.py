@@ -1,0 +1,297 @@
+"""``python -m dd_sglang.launch_server``: SGLang with dd_sglang loaded, plus the metrics sidecar.
+
+Usage::
+
+    python -m dd_sglang.launch_server [--dd-config NAME|PATH] [--metrics-port N]
+                                      [--metrics-host H] [any sglang.launch_server flag ...]
+
+Start-up, in order (every check runs before any SGLang process exists):
+
+1. Split the dd flags from SGLang's; SGLang's pass through unchanged.
+2. Load and validate the preset (:mod:`dd_sglang.config`); a bad key exits 2
+   with a message naming it.
+3. Pick the model: ``--model-path`` on the command line, else the preset's
+   ``model.path``, else the embedded SmolLM2 (converted once into the cache).
+4. Build SGLang's flags: preset values for every flag the command line does
+   not give (loopback host, ``--max-total-tokens`` cap, ...).
+5. Check that SGLang's port and the metrics port are free (exit 2 if not).
+6. Start ``python -m sglang.launch_server`` in a new process group with
+   ``PROMETHEUS_MULTIPROC_DIR`` (a fresh folder) and the preset in
+   ``DD_SGLANG_CONFIG_JSON``; SGLang loads dd_sglang's plugins in each of its
+   processes through entry points. The child also gets SIGTERM if this
+   launcher dies (``PR_SET_PDEATHSIG``).
+7. Serve the sidecar (FastAPI/uvicorn) on the metrics port in a thread.
+8. SIGINT/SIGTERM: SIGTERM to SGLang's whole process group, SIGKILL after
+   :data:`SHUTDOWN_GRACE_S` seconds, stop the sidecar, remove the metrics
+   folder, exit 0. If SGLang exits on its own, exit with its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from dd_sglang.config import ConfigError, DDConfig, load_config
+from dd_sglang.plugin.runtime import CONFIG_ENV
+
+logger = logging.getLogger("dd_sglang.launch_server")
+
+SHUTDOWN_GRACE_S = 20.0
+_PR_SET_PDEATHSIG = 1
+
+
+def parse_dd_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split ``argv`` into dd flags and the untouched SGLang flags."""
+    ap = argparse.ArgumentParser(
+        prog="python -m dd_sglang.launch_server",
+        description="SGLang with dd_sglang. Every sglang.launch_server flag is accepted unchanged.",
+        add_help=False,
+    )
+    ap.add_argument(
+        "--dd-config", default=None, help="preset name in configs/ or a YAML path (default cpu-smollm2)"
+    )
+    ap.add_argument(
+        "--metrics-port", type=int, default=None, help="sidecar port (default from the preset: 9464)"
+    )
+    ap.add_argument("--metrics-host", default=None, help="sidecar host (default from the preset: 127.0.0.1)")
+    ap.add_argument("--dd-help", action="help", help="show the dd flags and exit")
+    return ap.parse_known_args(argv)
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """Value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), the last one wins; None if absent."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def build_sglang_argv(
+    cfg: DDConfig, user_argv: list[str], model_path: str | None, cpu: bool, served_name: str | None = None
+) -> list[str]:
+    """SGLang's flags: the user's, then the preset's for every flag the user did not give.
+
+    ``cpu`` (no CUDA; the dd_sglang CPU platform is active) adds ``--device cpu``:
+    SGLang 0.5.23 resolves a missing ``--device`` through a path that expects a
+    string from the platform (``srt/utils/common.py: get_device``).
+    """
+    s = cfg.server
+    defaults: list[tuple[str, object]] = [
+        ("--model-path", model_path),
+        ("--served-model-name", served_name),
+        ("--device", "cpu" if cpu else None),
+        ("--host", s.host),
+        ("--port", s.port),
+        ("--max-total-tokens", s.max_total_tokens),
+        ("--context-length", s.context_length),
+        ("--max-running-requests", s.max_running_requests),
+    ]
+    defaults += [(f"--{k}", v) for k, v in s.sglang_args.items()]
+    out = list(user_argv)
+    for flag, value in defaults:
+        if value is None or value is False or has_flag(user_argv, flag):
+            continue
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def _port_error(host: str, port: int) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            return f"{host}:{port} is not available ({err.strerror})"
+    return None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _fail(msg: str) -> int:
+    print(f"dd_sglang: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _announce_when_ready(url: str, metrics_url: str, stop: threading.Event, t0: float) -> None:
+    while not stop.wait(1.0):
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                logger.info(
+                    "ready in %.1f s: SGLang %s, metrics %s/metrics", time.monotonic() - t0, url, metrics_url
+                )
+                return
+        except httpx.HTTPError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dd_args, sglang_argv = parse_dd_args(argv)
+    try:
+        cfg = load_config(dd_args.dd_config)
+        overrides = {}
+        if dd_args.metrics_port is not None:
+            overrides["port"] = dd_args.metrics_port
+        if dd_args.metrics_host is not None:
+            overrides["host"] = dd_args.metrics_host
+        if overrides:
+            from dd_sglang.config import parse_config
+
+            data = cfg.model_dump()
+            data["metrics"].update(overrides)
+            cfg = parse_config(data, "--metrics-port/--metrics-host")
+    except ConfigError as err:
+        return _fail(str(err))
+
+    model_path = served_name = None
+    if not has_flag(sglang_argv, "--model-path"):
+        if cfg.model.path:
+            model_path = cfg.model.path
+        else:
+            from dd_sglang.models.smollm2 import SERVED_MODEL_NAME, ModelError, prepare_model
+
+            served_name = SERVED_MODEL_NAME
+            try:
+                model_path = str(prepare_model())
+            except ModelError as err:
+                return _fail(str(err))
+    from dd_sglang.platform import activate
+
+    full_argv = build_sglang_argv(
+        cfg, sglang_argv, model_path, cpu=activate() is not None, served_name=served_name
+    )
+
+    host = flag_value(full_argv, "--host") or cfg.server.host
+    try:
+        port = int(flag_value(full_argv, "--port") or cfg.server.port)
+    except ValueError:
+        return _fail(f"--port must be an integer in 1..65535, got {flag_value(full_argv, '--port')!r}")
+    m = cfg.metrics
+    if m.port == port and m.host == host:
+        return _fail(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")
+    if err := _port_error(host, port):
+        return _fail(f"SGLang --port: {err}")
+    try:
+        metrics_sock = _bind(m.host, m.port)
+    except OSError as err:
+        return _fail(f"metrics.port: {m.host}:{m.port} is not available ({err.strerror})")
+
+    prom_dir = tempfile.mkdtemp(prefix="dd_sglang_prom_")
+    env = dict(os.environ)
+    env["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+    env[CONFIG_ENV] = json.dumps(cfg.model_dump())
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    cmd = [sys.executable, "-m", "sglang.launch_server", *full_argv]
+    logger.info("starting SGLang: %s", " ".join(cmd))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_child_setup)
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    import uvicorn
+
+    from dd_sglang.metrics.sidecar import create_app
+
+    sglang_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    app = create_app(
+        sglang_url=sglang_url, multiproc_dir=prom_dir, health_timeout_s=m.health_timeout_s, preset=cfg.name
+    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    sidecar = threading.Thread(
+        target=server.run, kwargs={"sockets": [metrics_sock]}, name="dd-sidecar", daemon=True
+    )
+    sidecar.start()
+    metrics_url = f"http://{m.host}:{m.port}"
+    threading.Thread(
+        target=_announce_when_ready, args=(sglang_url, metrics_url, stop, t0), daemon=True
+    ).start()
+
+    while proc.poll() is None and not stop.wait(0.5):
+        pass
+
+    rc = proc.poll()
+    if rc is None:
+        logger.info(
+            "signal %s: stopping SGLang (process group %d)", received[0] if received else "?", proc.pid
+        )
+        _stop_group(proc)
+        rc = 0
+    else:
+        stop.set()
+        logger.error("SGLang exited with code %s", rc)
+        _stop_group(proc)  # reap anything its processes left behind
+    server.should_exit = True
+    sidecar.join(timeout=5.0)
+    metrics_sock.close()
+    shutil.rmtree(prom_dir, ignore_errors=True)
+    return rc
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM SGLang's process group, SIGKILL whatever is left after the grace period."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

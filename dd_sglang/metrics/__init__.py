@@ -1,0 +1,1 @@
+"""Metrics: definitions (one module), scheduler-side collection, the sidecar app."""

@@ -1,0 +1,64 @@
+"""Every Prometheus metric a dd_sglang process exports, in one place.
+
+Naming follows Prometheus rules: ``dd_`` prefix, base units (``_bytes``),
+``_total`` on counters; labels are small bounded sets (DualPath state names,
+a byte source), never request ids.
+
+Multiprocess mode: SGLang's scheduler processes write these into
+``$PROMETHEUS_MULTIPROC_DIR`` (set by the launcher before SGLang starts) and
+the sidecar merges them with ``prometheus_client.multiprocess``. Byte gauges
+use ``livesum``: with tensor parallelism each rank holds its own shard of
+the KV pool, so the ranks' bytes add up. Request-count gauges are written by
+attention-TP rank 0 only, so the sum counts each request once.
+
+Import this module only in a process where ``PROMETHEUS_MULTIPROC_DIR`` is
+already set (prometheus-client picks its storage at import time).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge
+
+#: DualPath request states (DESIGN.md). Until the sparse path exists every
+#: admitted request is ``DENSE``; the others are exported as 0 so dashboards
+#: and alerts can be written against the full set.
+DUALPATH_STATES = ("DENSE", "PREFILL_FULL", "OFFLOADING", "DECODE_SPARSE", "REBUILD", "FINISHED")
+
+DEVICE_KV_CAPACITY_BYTES = Gauge(
+    "dd_device_kv_capacity_bytes",
+    "Bytes of the device-tier KV pool (K and V buffers of all layers, padding slots included).",
+    multiprocess_mode="livesum",
+)
+DEVICE_KV_USED_BYTES = Gauge(
+    "dd_device_kv_used_bytes",
+    "Bytes of device-tier KV slots allocated (running requests plus prefix-cache entries).",
+    multiprocess_mode="livesum",
+)
+DEVICE_KV_EVICTABLE_BYTES = Gauge(
+    "dd_device_kv_evictable_bytes",
+    "Bytes of allocated device-tier KV slots held only by the prefix (radix) cache, free to evict.",
+    multiprocess_mode="livesum",
+)
+HOST_TIER_CAPACITY_BYTES = Gauge(
+    "dd_host_tier_capacity_bytes",
+    "Bytes reserved for the host-tier sparse KV pool (0 while no host tier is configured).",
+    multiprocess_mode="livesum",
+)
+HOST_TIER_USED_BYTES = Gauge(
+    "dd_host_tier_used_bytes",
+    "Bytes of host-tier KV pages allocated to requests (0 while no host tier is configured).",
+    multiprocess_mode="livesum",
+)
+HBM_USED_BYTES = Gauge(
+    "dd_hbm_used_bytes",
+    "Accelerator memory in use. source=cuda_allocator: torch.cuda.memory_allocated(); "
+    "source=cpu_device_pool: no accelerator, the CPU-resident device-tier KV pool's bytes.",
+    ["source"],
+    multiprocess_mode="livesum",
+)
+DUALPATH_REQUESTS = Gauge(
+    "dd_dualpath_requests",
+    "Requests in the scheduler's running batch, by DualPath state.",
+    ["state"],
+    multiprocess_mode="livesum",
+)

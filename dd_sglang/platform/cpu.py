@@ -1,0 +1,40 @@
+"""The pure-PyTorch CPU platform that lets unmodified SGLang run without a GPU.
+
+SGLang's in-tree ``CpuSRTPlatform`` is selected only with
+``SGLANG_USE_CPU_ENGINE=1``, which routes through sgl-kernel's CPU build (not
+on any registry). This out-of-tree platform reuses SGLang's
+``CpuDeviceMixin`` for device queries (memory from psutil, ``torch.device("cpu")``)
+and declares itself out-of-tree, so SGLang's generic PyTorch paths run: the
+``torch_native`` attention backend (SDPA over the token-indexed KV pool),
+no CUDA graphs, no pinned memory.
+"""
+
+from __future__ import annotations
+
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import SRTPlatform
+
+#: The attention backend used for dense prefill and decode on this platform
+#: (sglang/srt/layers/attention/torch_native_backend.py).
+DENSE_ATTENTION_BACKEND = "torch_native"
+
+
+class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
+    """Out-of-tree SGLang platform: CPU device, PyTorch kernels only."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+
+    def get_default_attention_backend(self) -> str:
+        """Dense attention backend name: ``"torch_native"``."""
+        return DENSE_ATTENTION_BACKEND
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        """Draft-model attention backend for speculative decoding: ``"torch_native"``."""
+        return DENSE_ATTENTION_BACKEND
+
+    def is_pin_memory_available(self, device=None) -> bool:
+        """Pinned host memory needs a CUDA driver; there is none here."""
+        return False

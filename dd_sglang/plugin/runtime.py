@@ -1,0 +1,49 @@
+"""Process-wide state of dd_sglang inside an SGLang process.
+
+The launcher passes the validated preset to every SGLang process through the
+environment variable :data:`CONFIG_ENV` (JSON of :class:`dd_sglang.config.DDConfig`).
+A process started without it (plain ``python -m sglang.launch_server`` with
+dd_sglang installed) uses the default preset's values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from functools import cache
+
+from dd_sglang.config import DDConfig, parse_config
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "DD_SGLANG_CONFIG_JSON"
+_failed_once = False
+
+
+@cache
+def current_config() -> DDConfig:
+    """The preset this process was started with (validated; cached)."""
+    raw = os.environ.get(CONFIG_ENV)
+    if not raw:
+        return DDConfig()
+    return parse_config(json.loads(raw), f"${CONFIG_ENV}")
+
+
+@cache
+def _scheduler_metrics(attn_tp_rank: int):
+    from dd_sglang.metrics.scheduler_stats import SchedulerMetrics
+
+    return SchedulerMetrics(current_config().metrics.update_interval_s, report_requests=attn_tp_rank == 0)
+
+
+def refresh_scheduler_metrics(scheduler, force: bool = False) -> None:
+    """Publish the scheduler's device-tier gauges; never raises into SGLang."""
+    global _failed_once
+    try:
+        rank = int(getattr(scheduler, "attn_tp_rank", getattr(scheduler, "tp_rank", 0)) or 0)
+        _scheduler_metrics(rank).maybe_update(scheduler, force=force)
+    except Exception:  # a metrics bug must not stop serving
+        if not _failed_once:
+            _failed_once = True
+            logger.exception("dd_sglang: scheduler metrics update failed (logged once)")

@@ -1,0 +1,53 @@
+"""Every hook dd_sglang places into SGLang, and nothing else.
+
+Each module here is named after the SGLang module it touches
+(``managers_scheduler`` -> ``sglang.srt.managers.scheduler``) and lists its
+hooks in ``HOOKS``; each hook function is named after the SGLang symbol it
+wraps (``Scheduler_on_idle`` -> ``Scheduler.on_idle``). Hooks only wire: the
+logic they call lives in ``dd_sglang``.
+
+:func:`register_all` hands every hook to SGLang's ``HookRegistry``; SGLang's
+``load_plugins()`` applies them in each process it starts (HTTP server,
+tokenizer manager, scheduler, detokenizer), through the general-plugin entry
+point :func:`dd_sglang.plugin.load`. ``tests/test_patches.py`` asserts every
+target exists in the pinned SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: Hook modules, in registration order.
+MODULES = ("patches.managers_scheduler",)
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One hook: ``target`` is SGLang's dotted path, ``kind`` a ``HookType`` name."""
+
+    target: str
+    fn: Callable
+    kind: str = "AFTER"
+
+
+def all_hooks() -> list[Hook]:
+    """Every :class:`Hook` of every module in :data:`MODULES`."""
+    hooks: list[Hook] = []
+    for name in MODULES:
+        hooks.extend(importlib.import_module(name).HOOKS)
+    return hooks
+
+
+def register_all() -> list[Hook]:
+    """Register all hooks with ``sglang.srt.plugins.hook_registry.HookRegistry``.
+
+    Returns the hooks registered. Raises ``KeyError`` for an unknown ``kind``.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = all_hooks()
+    for hook in hooks:
+        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+    return hooks

@@ -1,0 +1,33 @@
+"""Hooks on ``sglang.srt.managers.scheduler.Scheduler`` (the scheduler process).
+
+* ``Scheduler.process_batch_result`` (AFTER): after every prefill/decode batch,
+  refresh the device-tier gauges (rate-limited by ``metrics.update_interval_s``).
+* ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
+  idle baseline after the last request.
+
+A failure inside a hook is logged once and never reaches the scheduler loop.
+"""
+
+from __future__ import annotations
+
+from patches import Hook
+
+_MODULE = "sglang.srt.managers.scheduler"
+
+
+def Scheduler_process_batch_result(result, self, *args, **kwargs):
+    from dd_sglang.plugin.runtime import refresh_scheduler_metrics
+
+    refresh_scheduler_metrics(self)
+
+
+def Scheduler_on_idle(result, self, *args, **kwargs):
+    from dd_sglang.plugin.runtime import refresh_scheduler_metrics
+
+    refresh_scheduler_metrics(self)
+
+
+HOOKS = [
+    Hook(f"{_MODULE}.Scheduler.process_batch_result", Scheduler_process_batch_result, "AFTER"),
+    Hook(f"{_MODULE}.Scheduler.on_idle", Scheduler_on_idle, "AFTER"),
+]
