@@ -4,6 +4,9 @@
   refresh the device-tier gauges (rate-limited by ``metrics.update_interval_s``).
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
   idle baseline after the last request.
+* ``Scheduler.maybe_sleep_on_idle`` (BEFORE): with ``--sleep-on-idle`` the
+  scheduler blocks here until the next request; publish unthrottled first, so
+  the gauges show the idle state while it sleeps.
 
 A failure inside a hook is logged once and never reaches the scheduler loop.
 """
@@ -27,7 +30,15 @@ def Scheduler_on_idle(result, self, *args, **kwargs):
     refresh_scheduler_metrics(self)
 
 
+def Scheduler_maybe_sleep_on_idle(self, *args, **kwargs):
+    from dd_sglang.plugin.runtime import refresh_scheduler_metrics
+
+    if getattr(self, "idle_sleeper", None) is not None:
+        refresh_scheduler_metrics(self, force=True)
+
+
 HOOKS = [
     Hook(f"{_MODULE}.Scheduler.process_batch_result", Scheduler_process_batch_result, "AFTER"),
     Hook(f"{_MODULE}.Scheduler.on_idle", Scheduler_on_idle, "AFTER"),
+    Hook(f"{_MODULE}.Scheduler.maybe_sleep_on_idle", Scheduler_maybe_sleep_on_idle, "BEFORE"),
 ]

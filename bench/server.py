@@ -1,0 +1,123 @@
+"""Start and stop a real ``python -m dd_sglang.launch_server`` for tests and benchmarks."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A launched dd_sglang server. Times in seconds, memory in bytes.
+
+    ``start_seconds`` is the wall time from spawning the launcher until the
+    sidecar's ``/healthz`` first answered 200 (SGLang warmed up and serving).
+    ``peak_rss_bytes`` is the largest sum of RSS over the launcher's process
+    tree seen by a 0.5 s sampler.
+    """
+
+    url: str
+    metrics_url: str
+    proc: subprocess.Popen
+    log_path: Path
+    max_total_tokens: int
+    start_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    _stop_sampler: threading.Event = field(default_factory=threading.Event)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def family(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def _sample(self) -> None:
+        while not self._stop_sampler.wait(0.5):
+            total = 0
+            for p in self.family():
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_rss_bytes = max(self.peak_rss_bytes, total)
+
+    def stop(self, timeout: float = 60.0) -> tuple[int, list[int]]:
+        """SIGTERM the launcher; return (exit code, pids of its tree still alive 1 s later)."""
+        family = [p.pid for p in self.family()]
+        self._stop_sampler.set()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = -9
+        time.sleep(1.0)
+        alive = []
+        for pid in family:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return rc, alive
+
+
+def start_server(
+    log_path: Path, max_total_tokens: int, extra_args: list[str] | None = None, timeout: float = 300.0
+) -> ServerProcess:
+    """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200.
+
+    Raises:
+        RuntimeError: the launcher exited, or was not healthy within ``timeout`` s
+            (the message carries the log tail).
+    """
+    port, mport = free_port(), free_port()
+    cmd = [
+        sys.executable, "-m", "dd_sglang.launch_server",
+        "--port", str(port), "--metrics-port", str(mport),
+        "--max-total-tokens", str(max_total_tokens), *(extra_args or []),
+    ]  # fmt: skip
+    log = open(log_path, "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    srv = ServerProcess(
+        f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", proc, log_path, max_total_tokens
+    )
+    threading.Thread(target=srv._sample, daemon=True).start()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{srv.log_tail()}")
+        try:
+            if httpx.get(f"{srv.metrics_url}/healthz", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            srv.stop()
+            raise RuntimeError(f"server not healthy after {timeout} s:\n{srv.log_tail()}")
+        time.sleep(0.5)
+    srv.start_seconds = time.monotonic() - t0
+    return srv

@@ -1,0 +1,141 @@
+"""Preset validation, and the launcher refusing a bad preset before SGLang starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dd_sglang.config import CONFIGS_DIR, ConfigError, DDConfig, load_config, parse_config
+from dd_sglang.launch_server import build_sglang_argv, flag_value, parse_dd_args
+
+
+def test_default_preset_loads_and_caps_kv_pool():
+    cfg = load_config()
+    assert cfg.name == "cpu-smollm2"
+    assert cfg.server.host == "127.0.0.1"
+    assert cfg.metrics.host == "127.0.0.1"
+    assert cfg.server.max_total_tokens == 16384
+    assert cfg.model.path is None
+
+
+def test_every_shipped_preset_validates():
+    presets = sorted(CONFIGS_DIR.glob("*.yaml"))
+    assert presets
+    for p in presets:
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "data,needles",
+    [
+        ({"server": {"prot": 1}}, ["unknown key 'server.prot'"]),
+        ({"bogus": 1}, ["unknown key 'bogus'"]),
+        ({"server": {"port": 70000}}, ["server.port", "le 65535", "70000"]),
+        ({"server": {"max_total_tokens": 10}}, ["server.max_total_tokens", "ge 256"]),
+        ({"metrics": {"update_interval_s": 0}}, ["metrics.update_interval_s", "ge 0.01"]),
+        ({"server": {"port": "abc"}}, ["server.port", "integer"]),
+    ],
+)
+def test_bad_values_name_the_key_and_range(data, needles):
+    with pytest.raises(ConfigError) as e:
+        parse_config(data, "test")
+    for n in needles:
+        assert n in str(e.value)
+
+
+def test_top_level_must_be_mapping():
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        parse_config([1, 2], "test")
+
+
+def test_missing_preset_lists_known_ones():
+    with pytest.raises(ConfigError, match="cpu-smollm2"):
+        load_config("no-such-preset")
+
+
+def test_invalid_yaml(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("server: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_command_line_wins_over_preset():
+    cfg = DDConfig()
+    argv = build_sglang_argv(
+        cfg, ["--port", "1234", "--max-total-tokens=999"], "/m", cpu=True, served_name="s"
+    )
+    assert flag_value(argv, "--port") == "1234"
+    assert flag_value(argv, "--max-total-tokens") == "999"
+    assert argv.count("--port") == 1
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    assert flag_value(argv, "--model-path") == "/m"
+    assert flag_value(argv, "--device") == "cpu"
+    assert "--device" not in build_sglang_argv(cfg, [], "/m", cpu=False)
+
+
+def test_preset_sglang_args_switches():
+    cfg = parse_config(
+        {"server": {"sglang_args": {"enable-metrics": True, "disable-radix-cache": False, "x-y": 3}}}
+    )
+    argv = build_sglang_argv(cfg, [], None, cpu=False)
+    assert "--enable-metrics" in argv and "--disable-radix-cache" not in argv
+    assert flag_value(argv, "--x-y") == "3"
+    assert "--model-path" not in argv
+
+
+def test_dd_flags_are_split_from_sglang_flags():
+    dd, rest = parse_dd_args(["--dd-config", "p", "--metrics-port", "9", "--tp", "2", "--model-path", "/x"])
+    assert dd.dd_config == "p" and dd.metrics_port == 9
+    assert rest == ["--tp", "2", "--model-path", "/x"]
+
+
+@pytest.mark.parametrize(
+    "yaml_text,needle",
+    [
+        ("server:\n  port: 0\n", "server.port"),
+        ("server:\n  maxtokens: 5\n", "unknown key 'server.maxtokens'"),
+    ],
+)
+def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, needle):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml_text)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "dd_sglang.launch_server", "--dd-config", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "starting SGLang" not in r.stderr + r.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_launcher_rejects_busy_metrics_port(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dd_sglang.launch_server",
+                "--metrics-port",
+                str(port),
+                "--model-path",
+                "/nonexistent",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 2
+    assert "metrics.port" in r.stderr and "starting SGLang" not in r.stderr

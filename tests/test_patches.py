@@ -1,0 +1,43 @@
+"""Every hook target exists in the pinned SGLang, and registration goes through HookRegistry."""
+
+from __future__ import annotations
+
+import pkgutil
+from importlib.metadata import version
+
+import pytest
+
+import patches
+
+PINNED_SGLANG = "0.5.23"
+
+
+def test_pinned_sglang_version():
+    assert version("sglang") == PINNED_SGLANG
+
+
+@pytest.mark.parametrize("hook", patches.all_hooks(), ids=lambda h: h.target)
+def test_hook_target_exists(hook):
+    obj = pkgutil.resolve_name(hook.target)
+    assert callable(obj), f"{hook.target} is not callable in sglang {PINNED_SGLANG}"
+
+
+@pytest.mark.parametrize("hook", patches.all_hooks(), ids=lambda h: h.target)
+def test_hook_named_after_symbol(hook):
+    # Scheduler.on_idle -> Scheduler_on_idle
+    symbol = "_".join(hook.target.split(".")[-2:])
+    assert hook.fn.__name__ == symbol
+
+
+def test_register_all_uses_hook_registry():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    try:
+        HookRegistry._hooks.clear()
+        hooks = patches.register_all()
+        for h in hooks:
+            assert any(fn is h.fn for _, fn, _ in HookRegistry._hooks[h.target])
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved)
