@@ -1,0 +1,1 @@
+"""Prefetch layer: selectors (which KV entries a decode step needs). Uses kvcache only."""

@@ -1,0 +1,135 @@
+"""Selectors: score a request's candidate tokens for one query and return its critical set.
+
+Interface (every selector, one layer at a time)::
+
+    selector.select(queries, keys, k, scale) -> CriticalSet
+
+* ``queries``: ``shape: [num_reqs, num_q_heads, head_dim]``, the queries that
+  drive selection (the current token's for ``oracle``; a speculated token's
+  for the predictive selectors of the prediction issue).
+* ``keys``: one tensor per request, ``shape: [context_len_r, num_kv_heads, head_dim]``,
+  the request's keys in token-position order, as gathered from the host tier.
+* ``k``: critical-set budget in tokens (>= 1).
+* Result: :class:`CriticalSet` with ``positions``
+  ``shape: [num_reqs, num_kv_heads, k], dtype: torch.int64`` (token positions
+  within each request, best first) and ``lengths`` ``[num_reqs, num_kv_heads]``
+  (``min(k, context_len_r)``; entries past it are padding 0).
+
+Scores follow DESIGN.md ("Measuring the prefetch hit rate honestly"): a KV
+head's score for a token is the **max over its query heads** (GQA group
+``h // (Hq // Hkv)``) of their softmax probabilities. Softmax runs over the
+request's whole context, so scores are comparable across the group's heads.
+
+Every selector reports :meth:`Selector.device_aux_bytes`, the device bytes it
+keeps only to choose critical sets (DESIGN.md "auxiliary state").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CriticalSet:
+    """Per request and KV head: the selected token positions, best first.
+
+    ``positions``: ``[num_reqs, num_kv_heads, k]`` int64; ``lengths``: ``[num_reqs, num_kv_heads]`` int64.
+    """
+
+    positions: torch.Tensor
+    lengths: torch.Tensor
+
+    def as_sets(self, req: int, head: int) -> set[int]:
+        """The valid positions of one (request, KV head) as a Python set."""
+        return set(self.positions[req, head, : int(self.lengths[req, head])].tolist())
+
+
+def gqa_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-KV-head token scores for one request.
+
+    Args:
+        query: ``[num_q_heads, head_dim]``.
+        keys: ``[context_len, num_kv_heads, head_dim]``.
+        scale: softmax scale (``head_dim ** -0.5`` for SmolLM2 / Llama).
+
+    Returns:
+        ``[num_kv_heads, context_len]`` float32: for each KV head, the max over its
+        query heads of softmax(scale * q . k) over the whole context.
+    """
+    hq, d = query.shape
+    n, hkv, _ = keys.shape
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    qg = query.float().view(hkv, hq // hkv, d)
+    logits = torch.einsum("hgd,nhd->hgn", qg, keys.float()) * scale
+    return torch.softmax(logits, dim=-1).amax(dim=1)
+
+
+def _check(queries: torch.Tensor, keys: list[torch.Tensor], k: int) -> None:
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if queries.dim() != 3 or len(keys) != queries.shape[0]:
+        raise ValueError(f"queries must be [num_reqs, num_q_heads, head_dim] with one keys tensor per request; "
+                         f"got {tuple(queries.shape)} and {len(keys)} keys tensors")  # fmt: skip
+    for i, kt in enumerate(keys):
+        if kt.dim() != 3 or kt.shape[0] < 1 or kt.shape[2] != queries.shape[2]:
+            raise ValueError(
+                f"keys[{i}] must be [context_len >= 1, num_kv_heads, {queries.shape[2]}], got {tuple(kt.shape)}"
+            )
+
+
+class Selector:
+    """Base class. Subclasses implement :meth:`select` and :meth:`device_aux_bytes`."""
+
+    name = "base"
+
+    def select(self, queries: torch.Tensor, keys: list[torch.Tensor], k: int, scale: float) -> CriticalSet:
+        raise NotImplementedError
+
+    def device_aux_bytes(self) -> int:
+        """Device bytes held only to choose critical sets."""
+        raise NotImplementedError
+
+
+class OracleSelector(Selector):
+    """Exact top-k by :func:`gqa_token_scores` over every key: an upper bound for evaluation.
+
+    It reads every key of every request each step (no device-resident state,
+    but a full pass over the host tier), so it is a reference, not a product path.
+    """
+
+    name = "oracle"
+
+    def select(self, queries: torch.Tensor, keys: list[torch.Tensor], k: int, scale: float) -> CriticalSet:
+        """See the module docstring. Raises ``ValueError`` on bad shapes or ``k < 1``."""
+        _check(queries, keys, k)
+        hkv = keys[0].shape[1]
+        positions = torch.zeros(len(keys), hkv, k, dtype=torch.int64)
+        lengths = torch.zeros(len(keys), hkv, dtype=torch.int64)
+        for r, kt in enumerate(keys):
+            scores = gqa_token_scores(queries[r], kt, scale)
+            n = min(k, kt.shape[0])
+            positions[r, :, :n] = scores.topk(n, dim=-1).indices
+            lengths[r] = n
+        return CriticalSet(positions, lengths)
+
+    def device_aux_bytes(self) -> int:
+        return 0
+
+
+#: Selectors by preset name. Later issues add spec_host, quest_device, recency.
+SELECTORS: dict[str, type[Selector]] = {OracleSelector.name: OracleSelector}
+
+
+def make_selector(name: str) -> Selector:
+    """Instantiate a selector by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    try:
+        return SELECTORS[name]()
+    except KeyError:
+        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}") from None

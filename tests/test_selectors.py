@@ -1,0 +1,69 @@
+"""The oracle selector against scores computed by hand, GQA max aggregation, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dd_sglang.prefetch.selectors import OracleSelector, gqa_token_scores, make_selector
+
+HQ, HKV, D = 9, 3, 64
+
+
+def _data(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(lens), HQ, D, generator=g)
+    keys = [torch.randn(n, HKV, D, generator=g) for n in lens]
+    return q, keys
+
+
+def test_scores_are_max_over_group_softmax():
+    q, keys = _data([40])
+    s = gqa_token_scores(q[0], keys[0], 0.125)
+    for kv in range(HKV):
+        per_head = [torch.softmax(keys[0][:, kv] @ q[0, h] * 0.125, 0) for h in range(kv * 3, kv * 3 + 3)]
+        torch.testing.assert_close(s[kv], torch.stack(per_head).amax(0))
+
+
+def test_oracle_returns_exact_topk_per_kv_head():
+    q, keys = _data([100, 7, 33], seed=1)
+    cs = OracleSelector().select(q, keys, k=16, scale=D**-0.5)
+    assert cs.positions.shape == (3, HKV, 16)
+    assert cs.lengths.tolist() == [[16] * HKV, [7] * HKV, [16] * HKV]
+    for r, kt in enumerate(keys):
+        for kv in range(HKV):
+            # Brute force: rank every token by the group's max probability.
+            probs = torch.stack(
+                [torch.softmax(kt[:, kv] @ q[r, h] * D**-0.5, 0) for h in range(kv * 3, kv * 3 + 3)]
+            )
+            best = probs.amax(0).argsort(descending=True)[: min(16, len(kt))]
+            assert cs.as_sets(r, kv) == set(best.tolist())
+
+
+def test_k_at_least_context_selects_everything():
+    q, keys = _data([12])
+    cs = OracleSelector().select(q, keys, k=64, scale=1.0)
+    assert all(cs.as_sets(0, kv) == set(range(12)) for kv in range(HKV))
+
+
+def test_oracle_keeps_no_device_state():
+    assert OracleSelector().device_aux_bytes() == 0
+
+
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (lambda s, q, k: s.select(q, k, 0, 1.0), "k must be >= 1"),
+        (lambda s, q, k: s.select(q, k[:1], 4, 1.0), "one keys tensor per request"),
+        (lambda s, q, k: s.select(q, [k[0], torch.zeros(0, HKV, D)], 4, 1.0), r"keys\[1\]"),
+    ],
+)
+def test_bad_input(call, needle):
+    q, keys = _data([5, 6])
+    with pytest.raises(ValueError, match=needle):
+        call(OracleSelector(), q, keys)
+
+
+def test_unknown_selector_name():
+    with pytest.raises(ValueError, match="selector must be one of"):
+        make_selector("nope")
