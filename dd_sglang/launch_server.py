@@ -71,19 +71,29 @@ def parse_dd_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_known_args(argv)
 
 
+#: SGLang 0.5.23 flag aliases (sglang/srt/arg_groups/fields/model.py: ``--model`` for ``--model-path``).
+FLAG_ALIASES = {"--model-path": ("--model",)}
+
+
+def _spellings(flag: str) -> tuple[str, ...]:
+    return (flag, *FLAG_ALIASES.get(flag, ()))
+
+
 def flag_value(argv: list[str], flag: str) -> str | None:
-    """Value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), the last one wins; None if absent."""
+    """Value of ``flag`` or an alias in ``argv`` (``--flag v`` or ``--flag=v``); the last wins; None if absent."""
     value = None
     for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
+        for f in _spellings(flag):
+            if a == f and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif a.startswith(f + "="):
+                value = a.split("=", 1)[1]
     return value
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
+    """True when ``flag`` or one of its SGLang aliases appears in ``argv``."""
+    return any(a == f or a.startswith(f + "=") for a in argv for f in _spellings(flag))
 
 
 def build_sglang_argv(

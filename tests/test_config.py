@@ -77,6 +77,11 @@ def test_command_line_wins_over_preset():
     assert "--device" not in build_sglang_argv(cfg, [], "/m", cpu=False)
 
 
+def test_model_alias_counts_as_model_path():
+    argv = build_sglang_argv(DDConfig(), ["--model", "/mine"], None, cpu=False)
+    assert "--model-path" not in argv and flag_value(argv, "--model-path") == "/mine"
+
+
 def test_preset_sglang_args_switches():
     cfg = parse_config(
         {"server": {"sglang_args": {"enable-metrics": True, "disable-radix-cache": False, "x-y": 3}}}
