@@ -12,7 +12,7 @@ command line wins over the preset; the preset wins over SGLang's defaults.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -75,6 +75,22 @@ class MetricsSection(_Strict):
     health_timeout_s: float = Field(5.0, gt=0.0, le=120.0)
 
 
+class SparseSection(_Strict):
+    """The sparse decode path of the ``dualdecoder`` attention backend (tokens).
+
+    Used only when SGLang runs with ``--attention-backend dualdecoder``. A
+    decode step at context ``n`` is sparse when ``n >= min_sparse_len`` and
+    ``n > n_sink + n_recent + top_k``; it then attends to the first ``n_sink``
+    and last ``n_recent`` tokens plus ``top_k`` tokens chosen by ``selector``.
+    """
+
+    min_sparse_len: int = Field(1024, ge=1, le=10_000_000)
+    top_k: int = Field(256, ge=1, le=1_000_000)
+    n_sink: int = Field(4, ge=0, le=1_000_000)
+    n_recent: int = Field(128, ge=0, le=1_000_000)
+    selector: Literal["oracle"] = "oracle"
+
+
 class DDConfig(_Strict):
     """A whole preset. All sections are optional; defaults are the CPU preset's."""
 
@@ -82,6 +98,7 @@ class DDConfig(_Strict):
     model: ModelSection = Field(default_factory=ModelSection)
     server: ServerSection = Field(default_factory=ServerSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    sparse: SparseSection = Field(default_factory=SparseSection)
 
 
 def _format_error(err: ValidationError, source: str) -> str:

@@ -2,9 +2,12 @@
 
 Each module here is named after the SGLang module it touches
 (``managers_scheduler`` -> ``sglang.srt.managers.scheduler``) and lists its
-hooks in ``HOOKS``; each hook function is named after the SGLang symbol it
-wraps (``Scheduler_on_idle`` -> ``Scheduler.on_idle``). Hooks only wire: the
-logic they call lives in ``dd_sglang``.
+hooks in ``HOOKS`` (wrappers applied by ``HookRegistry``; each hook function is
+named after the SGLang symbol it wraps: ``Scheduler_on_idle`` ->
+``Scheduler.on_idle``) and/or calls of SGLang's own registries in
+``REGISTRATIONS`` (functions named after the registry function they call,
+with the SGLang symbols they use in ``SYMBOLS``). Modules only wire: the logic
+they call lives in ``dd_sglang``.
 
 :func:`register_all` hands every hook to SGLang's ``HookRegistry``; SGLang's
 ``load_plugins()`` applies them in each process it starts (HTTP server,
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Hook modules, in registration order.
-MODULES = ("patches.managers_scheduler",)
+MODULES = ("patches.managers_scheduler", "patches.layers_attention_attention_registry")
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,21 @@ def all_hooks() -> list[Hook]:
     """Every :class:`Hook` of every module in :data:`MODULES`."""
     hooks: list[Hook] = []
     for name in MODULES:
-        hooks.extend(importlib.import_module(name).HOOKS)
+        hooks.extend(getattr(importlib.import_module(name), "HOOKS", []))
     return hooks
 
 
+def all_symbols() -> list[str]:
+    """Every SGLang symbol a module of :data:`MODULES` hooks or uses."""
+    symbols = [h.target for h in all_hooks()]
+    for name in MODULES:
+        symbols.extend(getattr(importlib.import_module(name), "SYMBOLS", ()))
+    return symbols
+
+
 def register_all() -> list[Hook]:
-    """Register all hooks with ``sglang.srt.plugins.hook_registry.HookRegistry``.
+    """Register all hooks with ``sglang.srt.plugins.hook_registry.HookRegistry`` and run
+    every module's ``REGISTRATIONS``.
 
     Returns the hooks registered. Raises ``KeyError`` for an unknown ``kind``.
     """
@@ -50,4 +62,7 @@ def register_all() -> list[Hook]:
     hooks = all_hooks()
     for hook in hooks:
         HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+    for name in MODULES:
+        for register in getattr(importlib.import_module(name), "REGISTRATIONS", []):
+            register()
     return hooks

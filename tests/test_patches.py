@@ -16,10 +16,25 @@ def test_pinned_sglang_version():
     assert version("sglang") == PINNED_SGLANG
 
 
+@pytest.mark.parametrize("symbol", patches.all_symbols())
+def test_hooked_symbol_exists(symbol):
+    pkgutil.resolve_name(symbol)  # raises if sglang 0.5.23 lacks it
+
+
 @pytest.mark.parametrize("hook", patches.all_hooks(), ids=lambda h: h.target)
-def test_hook_target_exists(hook):
-    obj = pkgutil.resolve_name(hook.target)
-    assert callable(obj), f"{hook.target} is not callable in sglang {PINNED_SGLANG}"
+def test_hook_target_is_callable(hook):
+    assert callable(pkgutil.resolve_name(hook.target)), (
+        f"{hook.target} is not callable in sglang {PINNED_SGLANG}"
+    )
+
+
+def test_dualdecoder_backend_registered():
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    patches.register_all()
+    assert "dualdecoder" in ATTENTION_BACKEND_CHOICES
+    assert ATTENTION_BACKENDS["dualdecoder"].__name__ == "create_dualdecoder_backend"
 
 
 @pytest.mark.parametrize("hook", patches.all_hooks(), ids=lambda h: h.target)

@@ -17,7 +17,7 @@ already set (prometheus-client picks its storage at import time).
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 #: DualPath request states (DESIGN.md). Until the sparse path exists every
 #: admitted request is ``DENSE``; the others are exported as 0 so dashboards
@@ -61,4 +61,8 @@ DUALPATH_REQUESTS = Gauge(
     "Requests in the scheduler's running batch, by DualPath state.",
     ["state"],
     multiprocess_mode="livesum",
+)
+SPARSE_DECODE_ROWS = Counter(
+    "dd_sparse_decode_rows",
+    "(request, layer) attention rows decoded on the sparse path by the dualdecoder backend.",
 )

@@ -1,0 +1,1 @@
+"""The ``dualdecoder`` SGLang attention backend. Uses prefetch, kernels and kvcache."""
