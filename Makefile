@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: model
-	$(BIN)/python -m bench.passkey
+	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder
 
 clean-model:
 	$(BIN)/python -m dd_sglang.models clean

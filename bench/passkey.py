@@ -1,21 +1,28 @@
-"""Foundation benchmark: engine start time, peak RSS, passkey retrieval over lengths and depths.
+"""Passkey benchmark: engine start, peak RSS, passkey retrieval and decode speed, per attention backend.
 
 Usage::
 
-    python -m bench.passkey [--out bench/results/foundation_cpu.json] [--lengths 512,1024,...]
+    python -m bench.passkey [--out bench/results/passkey_cpu.json] [--lengths 512,1024,...]
+                            [--backends torch_native,dualdecoder]
 
-Starts one dd_sglang server (default preset, ``--max-total-tokens 16384``),
-then asks greedy ``/v1/completions`` for the passkey of each prompt
-(:func:`bench.prompts.passkey_prompt`) and records whether the answer starts
-with the passkey. Results are written as JSON; nothing here is a pass/fail test.
+For each backend, in one run, one after the other: start a dd_sglang server
+(default preset, ``--max-total-tokens 16384``, ``--attention-backend B``), ask
+greedy ``/v1/completions`` for the passkey of each prompt
+(:func:`bench.prompts.passkey_prompt`) and record whether the answer starts with
+it; then measure decode speed: stream 64 greedy tokens after a
+``--decode-tokens``-token prompt and take (chunks - 1) / (last - first chunk
+time), i.e. tokens/s after the first token. Results are written as JSON;
+nothing here is a pass/fail test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +36,14 @@ from bench.server import start_server
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.passkey", description=__doc__)
-    ap.add_argument("--out", default="bench/results/foundation_cpu.json")
+    ap.add_argument("--out", default="bench/results/passkey_cpu.json")
     ap.add_argument("--lengths", default="512,1024,2048,4096,7300")
     ap.add_argument("--depths", default="0.1,0.5,0.9")
     ap.add_argument("--max-total-tokens", type=int, default=16384)
+    ap.add_argument("--backends", default="torch_native", help="comma-separated --attention-backend values")
+    ap.add_argument(
+        "--decode-tokens", type=int, default=4000, help="prompt length for the decode-speed probe"
+    )
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
@@ -42,12 +53,50 @@ def main(argv: list[str] | None = None) -> int:
     from dd_sglang.models.smollm2 import prepare_model
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
+    runs = {}
+    for backend in args.backends.split(","):
+        runs[backend] = run_backend(tok, backend, lengths, depths, args)
+    result = {
+        "benchmark": "passkey retrieval and decode speed per attention backend (CPU)",
+        "command": "python -m bench.passkey " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "backends": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for b, r in runs.items():
+        print(f"{b}: passkey {r['found']}/{r['total']}, decode {r['decode_tokens_per_second']} tok/s at "
+              f"{r['decode_prompt_tokens']} tokens, start {r['engine_start_seconds']} s, "
+              f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+    print(f"-> {out}")
+    return 0
+
+
+def decode_speed(url: str, prompt: str, n_new: int = 64) -> float:
+    """Greedy streamed decode rate in tokens/s after the first token (one request)."""
+    times = []
+    payload = {"model": "x", "prompt": prompt, "max_tokens": n_new, "temperature": 0, "stream": True,
+               "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=900) as r:
+        for line in r.iter_lines():
+            if (
+                line.startswith("data: ")
+                and line != "data: [DONE]"
+                and json.loads(line[6:])["choices"][0]["text"]
+            ):
+                times.append(time.monotonic())
+    return round((len(times) - 1) / (times[-1] - times[0]), 3)
+
+
+def run_backend(tok, backend: str, lengths: list[int], depths: list[float], args) -> dict:
+    """Start a server with ``--attention-backend backend``, run the passkey grid and the decode probe."""
     log = Path(tempfile.mkdtemp(prefix="dd_bench_")) / "server.log"
-    srv = start_server(log, args.max_total_tokens)
+    srv = start_server(log, args.max_total_tokens, ["--attention-backend", backend])
     rows = []
     try:
         grid = [(n, d) for n in lengths for d in depths]
-        for i, (n, d) in enumerate(tqdm(grid, desc="passkey", unit="prompt")):
+        for i, (n, d) in enumerate(tqdm(grid, desc=f"passkey {backend}", unit="prompt")):
             key = 10000 + (7919 * (i + 1)) % 90000
             prompt, n_tok = passkey_prompt(tok, n, d, key)
             t0 = time.monotonic()
@@ -69,28 +118,20 @@ def main(argv: list[str] | None = None) -> int:
                     "latency_seconds": round(time.monotonic() - t0, 3),
                 }
             )
+        probe, probe_tokens = passkey_prompt(tok, args.decode_tokens, 0.5, 54321)
+        speed = decode_speed(srv.url, probe + " ")
     finally:
         rc, alive = srv.stop()
-    result = {
-        "benchmark": "foundation passkey (dense SGLang, torch_native, CPU)",
-        "command": "python -m bench.passkey " + " ".join(argv or []),
-        "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "cpus": __import__("os").cpu_count(),
-        },
+    return {
         "engine_start_seconds": round(srv.start_seconds, 1),
         "peak_rss_bytes": srv.peak_rss_bytes,
         "shutdown": {"exit_code": rc, "processes_left": alive},
         "found": sum(r["found"] for r in rows),
         "total": len(rows),
+        "decode_prompt_tokens": probe_tokens,
+        "decode_tokens_per_second": speed,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"passkey {result['found']}/{result['total']}, start {result['engine_start_seconds']} s, "
-          f"peak RSS {srv.peak_rss_bytes / 2**30:.2f} GiB -> {out}")  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":

@@ -208,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     host = flag_value(full_argv, "--host") or cfg.server.host
+    raw_port = flag_value(full_argv, "--port") or cfg.server.port
     try:
-        port = int(flag_value(full_argv, "--port") or cfg.server.port)
+        port = int(raw_port)
     except ValueError:
-        return _fail(f"--port must be an integer in 1..65535, got {flag_value(full_argv, '--port')!r}")
+        port = 0
+    if not 1 <= port <= 65535:
+        return _fail(f"--port must be an integer in 1..65535, got {raw_port!r}")
     m = cfg.metrics
     if m.port == port and m.host == host:
         return _fail(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")

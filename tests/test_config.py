@@ -121,6 +121,18 @@ def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, n
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.parametrize("port", ["99999", "0", "abc"])
+def test_launcher_rejects_bad_sglang_port(port):
+    r = subprocess.run(
+        [sys.executable, "-m", "dd_sglang.launch_server", "--port", port, "--model-path", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "--port must be an integer in 1..65535" in r.stderr and "starting SGLang" not in r.stderr
+
+
 def test_launcher_rejects_busy_metrics_port(tmp_path):
     import socket
 
