@@ -113,7 +113,6 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.req_to_token = req_to_token
         self.params = params
         self.selector = make_selector(params.selector)
-        self.sparse_rows_total = 0  # decode rows (request x layer) served sparsely
 
     def __getattr__(self, name):
         return getattr(self.__dict__["dense"], name)
@@ -165,7 +164,6 @@ class DualDecoderAttnBackend(AttentionBackend):
         lengths = torch.full(idx.shape[:2], idx.shape[2], dtype=torch.int64, device=idx.device)
         sparse_out = sparse_decode_attention(q_[rows], k_buf, v_buf, idx, lengths, layer.scaling)
         out.view(-1, hq, dv)[rows] = sparse_out.to(out.dtype)
-        self.sparse_rows_total += len(rows)
         if self.on_sparse_rows is not None:
             self.on_sparse_rows(len(rows))
         return out
