@@ -23,7 +23,8 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m dd_sglang.models prepare
 
-serve: model
+# The launcher prepares the embedded model itself, and skips it for --model-path.
+serve: $(STAMP)
 	$(BIN)/python -m dd_sglang.launch_server $(ARGS)
 
 test: model

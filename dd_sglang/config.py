@@ -51,6 +51,8 @@ class ServerSection(_Strict):
     ~15 GB on a 24 GB CPU host. ``sglang_args`` holds any further SGLang flag,
     spelled without the leading dashes (``chunked-prefill-size: 2048``); a
     ``true`` value is a bare switch, ``false`` omits the flag.
+    ``start_timeout_s``: the launcher stops SGLang and exits 1 when it is not
+    healthy this many seconds after start (a port it could not bind, say).
     """
 
     host: str = Field("127.0.0.1", min_length=1)
@@ -58,6 +60,7 @@ class ServerSection(_Strict):
     max_total_tokens: int = Field(16384, ge=256, le=100_000_000)
     context_length: int | None = Field(None, ge=128, le=10_000_000)
     max_running_requests: int | None = Field(None, ge=1, le=65536)
+    start_timeout_s: float = Field(600.0, ge=10.0, le=7200.0)
     sglang_args: dict[str, SGLangScalar] = Field(default_factory=dict)
 
 
@@ -92,9 +95,15 @@ class SparseSection(_Strict):
 
 
 class DDConfig(_Strict):
-    """A whole preset. All sections are optional; defaults are the CPU preset's."""
+    """A whole preset. Every section and key is optional.
 
-    name: str = DEFAULT_PRESET
+    The schema's defaults are conservative and model-agnostic (loopback
+    host, a 16,384-token KV cap, no extra SGLang flags); the shipped preset
+    ``configs/cpu-smollm2.yaml`` adds SmolLM2's context length and the CPU
+    flags (``--sleep-on-idle``, ``--enable-metrics``, ...).
+    """
+
+    name: str = "custom"
     model: ModelSection = Field(default_factory=ModelSection)
     server: ServerSection = Field(default_factory=ServerSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
@@ -153,7 +162,7 @@ def load_config(name_or_path: str | Path | None = None) -> DDConfig:
     """Read and validate a preset file; None loads the default preset ``cpu-smollm2``.
 
     When the default preset's file is absent (a non-editable install without
-    the repository), the schema's defaults are used: they equal that preset.
+    the repository), the schema's defaults are used (named ``builtin-defaults``).
 
     Raises:
         ConfigError: the file is missing, is not YAML, or fails validation.
@@ -161,7 +170,7 @@ def load_config(name_or_path: str | Path | None = None) -> DDConfig:
     if name_or_path is None:
         default = CONFIGS_DIR / f"{DEFAULT_PRESET}.yaml"
         if not default.is_file():
-            return DDConfig()
+            return DDConfig(name="builtin-defaults")
         name_or_path = default
     path = resolve_preset_path(name_or_path)
     try:

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -50,6 +51,13 @@ from dd_sglang.plugin.runtime import CONFIG_ENV
 logger = logging.getLogger("dd_sglang.launch_server")
 
 SHUTDOWN_GRACE_S = 20.0
+PROM_DIR_PREFIX = "dd_sglang_prom_"
+DD_FLAGS_HELP = """dd_sglang flags (every other flag goes to SGLang unchanged; SGLang's flags follow):
+  --dd-config NAME|PATH   preset in configs/ or a YAML file (default: cpu-smollm2)
+  --metrics-port N        metrics sidecar port (default from the preset: 9464). Shadows SGLang's own
+  --metrics-host H        --metrics-port/--metrics-host, which serve only its Rust gRPC mode.
+  --dd-help               show only these
+"""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -75,25 +83,31 @@ def parse_dd_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 FLAG_ALIASES = {"--model-path": ("--model",)}
 
 
-def _spellings(flag: str) -> tuple[str, ...]:
-    return (flag, *FLAG_ALIASES.get(flag, ()))
+def _names(flag: str, arg: str) -> bool:
+    """True when command-line word ``arg`` names ``flag``: exactly, by an SGLang alias, or by an
+    abbreviation (SGLang's argparse accepts unambiguous prefixes such as ``--max-total-tok``)."""
+    if not arg.startswith("--") or len(arg) < 4:
+        return False
+    name = arg.split("=", 1)[0]
+    return any(f == name or f.startswith(name) for f in (flag, *FLAG_ALIASES.get(flag, ())))
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
-    """Value of ``flag`` or an alias in ``argv`` (``--flag v`` or ``--flag=v``); the last wins; None if absent."""
+    """Value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``, aliases and prefixes too); the last wins."""
     value = None
     for i, a in enumerate(argv):
-        for f in _spellings(flag):
-            if a == f and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif a.startswith(f + "="):
-                value = a.split("=", 1)[1]
+        if not _names(flag, a):
+            continue
+        if "=" in a:
+            value = a.split("=", 1)[1]
+        elif i + 1 < len(argv):
+            value = argv[i + 1]
     return value
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
-    """True when ``flag`` or one of its SGLang aliases appears in ``argv``."""
-    return any(a == f or a.startswith(f + "=") for a in argv for f in _spellings(flag))
+    """True when ``flag`` (or an SGLang alias or abbreviation of it) appears in ``argv``."""
+    return any(_names(flag, a) for a in argv)
 
 
 def build_sglang_argv(
@@ -125,20 +139,16 @@ def build_sglang_argv(
     return out
 
 
-def _port_error(host: str, port: int) -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            return f"{host}:{port} is not available ({err.strerror})"
-    return None
-
-
 def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as ``host`` resolves). Raises ``OSError``."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
     sock.listen(128)
     sock.set_inheritable(False)
     return sock
@@ -151,15 +161,41 @@ def _child_setup() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _port_error(host: str, port: int) -> str | None:
+    try:
+        _bind(host, port).close()
+    except OSError as err:
+        return f"{host}:{port} is not available ({err.strerror or err})"
+    return None
+
+
+def _clean_stale_metrics_dirs() -> None:
+    """Remove metrics folders left by launchers that died without cleaning up (e.g. SIGKILL)."""
+    for d in Path(tempfile.gettempdir()).glob(f"{PROM_DIR_PREFIX}*"):
+        try:
+            pid = int(d.name[len(PROM_DIR_PREFIX) :].split("_", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 def _fail(msg: str) -> int:
     print(f"dd_sglang: error: {msg}", file=sys.stderr)
     return 2
 
 
-def _announce_when_ready(url: str, metrics_url: str, stop: threading.Event, t0: float) -> None:
+def _announce_when_ready(
+    url: str, metrics_url: str, stop: threading.Event, ready: threading.Event, t0: float
+):
     while not stop.wait(1.0):
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                ready.set()
                 logger.info(
                     "ready in %.1f s: SGLang %s, metrics %s/metrics", time.monotonic() - t0, url, metrics_url
                 )
@@ -172,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(DD_FLAGS_HELP)
+        return subprocess.call([sys.executable, "-m", "sglang.launch_server", "--help"])
     dd_args, sglang_argv = parse_dd_args(argv)
     try:
         cfg = load_config(dd_args.dd_config)
@@ -189,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return _fail(str(err))
 
+    user_model = flag_value(sglang_argv, "--model-path") or cfg.model.path
+    if (
+        user_model
+        and user_model.startswith(("/", "./", "../", "~"))
+        and not Path(user_model).expanduser().exists()
+    ):
+        return _fail(f"--model-path / model.path: no such local folder: {user_model}")
     model_path = served_name = None
     if not has_flag(sglang_argv, "--model-path"):
         if cfg.model.path:
@@ -216,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= port <= 65535:
         return _fail(f"--port must be an integer in 1..65535, got {raw_port!r}")
     m = cfg.metrics
-    if m.port == port and m.host == host:
+    if m.port == port:
         return _fail(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")
     if err := _port_error(host, port):
         return _fail(f"SGLang --port: {err}")
@@ -225,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         return _fail(f"metrics.port: {m.host}:{m.port} is not available ({err.strerror})")
 
-    prom_dir = tempfile.mkdtemp(prefix="dd_sglang_prom_")
+    _clean_stale_metrics_dirs()
+    prom_dir = tempfile.mkdtemp(prefix=f"{PROM_DIR_PREFIX}{os.getpid()}_")
     env = dict(os.environ)
     env["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
     env[CONFIG_ENV] = json.dumps(cfg.model_dump())
@@ -259,15 +306,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     sidecar.start()
     metrics_url = f"http://{m.host}:{m.port}"
+    ready = threading.Event()
     threading.Thread(
-        target=_announce_when_ready, args=(sglang_url, metrics_url, stop, t0), daemon=True
+        target=_announce_when_ready, args=(sglang_url, metrics_url, stop, ready, t0), daemon=True
     ).start()
 
+    start_timeout = cfg.server.start_timeout_s
+    timed_out = False
     while proc.poll() is None and not stop.wait(0.5):
-        pass
+        if not ready.is_set() and time.monotonic() - t0 > start_timeout:
+            timed_out = True
+            logger.error(
+                "SGLang not healthy after %.0f s (server.start_timeout_s); stopping it", start_timeout
+            )
+            break
 
     rc = proc.poll()
-    if rc is None:
+    if timed_out:
+        stop.set()
+        _stop_group(proc)
+        rc = 1
+    elif rc is None:
         logger.info(
             "signal %s: stopping SGLang (process group %d)", received[0] if received else "?", proc.pid
         )
@@ -284,26 +343,41 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM SGLang's process group, SIGKILL whatever is left after the grace period."""
-    pgid = proc.pid
+def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, 0)
     except ProcessLookupError:
-        return
-    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        return False
+    return True
+
+
+def _wait_group(proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to ``seconds`` for SGLang's whole process group to exit; True if it did."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         proc.poll()
+        if not _group_alive(proc.pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop SGLang: SIGTERM to its main process (which stops its own scheduler and
+    detokenizer), then SIGTERM to the whole group, then SIGKILL, each after
+    :data:`SHUTDOWN_GRACE_S` seconds at most."""
+    pgid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        if _wait_group(proc, SHUTDOWN_GRACE_S):
+            return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pgid, 0)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
             return
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
+        if _wait_group(proc, SHUTDOWN_GRACE_S):
+            return
 
 
 if __name__ == "__main__":

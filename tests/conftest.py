@@ -43,3 +43,4 @@ def server(model_path, tmp_path_factory) -> ServerProcess:
     rc, alive = srv.stop()
     assert rc == 0, f"launcher exit code {rc} after SIGTERM:\n{srv.log_tail()}"
     assert not alive, f"processes left after SIGTERM: {alive}"
+    assert "crashed with exit code" not in srv.log_path.read_text(), "SGLang saw a crash during a normal stop"

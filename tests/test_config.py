@@ -122,9 +122,9 @@ def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, n
 
 
 @pytest.mark.parametrize("port", ["99999", "0", "abc"])
-def test_launcher_rejects_bad_sglang_port(port):
+def test_launcher_rejects_bad_sglang_port(port, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "dd_sglang.launch_server", "--port", port, "--model-path", "/nonexistent"],
+        [sys.executable, "-m", "dd_sglang.launch_server", "--port", port, "--model-path", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -148,7 +148,7 @@ def test_launcher_rejects_busy_metrics_port(tmp_path):
                 "--metrics-port",
                 str(port),
                 "--model-path",
-                "/nonexistent",
+                str(tmp_path),
             ],
             capture_output=True,
             text=True,
@@ -156,3 +156,62 @@ def test_launcher_rejects_busy_metrics_port(tmp_path):
         )
     assert r.returncode == 2
     assert "metrics.port" in r.stderr and "starting SGLang" not in r.stderr
+
+
+def test_abbreviated_sglang_flag_counts_as_given():
+    argv = build_sglang_argv(DDConfig(), ["--max-total-tok", "5000"], "/m", cpu=False)
+    assert "--max-total-tokens" not in argv
+    assert flag_value(argv, "--max-total-tokens") == "5000"
+
+
+def _launch(*args, env=None, timeout=120):
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "dd_sglang.launch_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_help_passes_through_without_starting_anything():
+    r = _launch("--port", "1", "--help")
+    assert r.returncode == 0
+    assert "dd_sglang flags" in r.stdout and "--model-path" in r.stdout
+    assert "starting SGLang" not in r.stderr
+
+
+def test_same_port_for_api_and_metrics_is_refused_whatever_the_host_spelling(tmp_path):
+    r = _launch(
+        "--host", "localhost", "--port", "32199", "--metrics-port", "32199", "--model-path", str(tmp_path)
+    )
+    assert r.returncode == 2 and "equals SGLang's --port" in r.stderr
+
+
+def test_missing_local_model_path_fails_fast():
+    r = _launch("--model-path", "/nonexistent/model")
+    assert r.returncode == 2 and "no such local folder: /nonexistent/model" in r.stderr
+
+
+def test_unusable_cache_folder_is_a_clear_error(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    r = _launch(env={"DD_SGLANG_CACHE": str(f)})
+    assert r.returncode == 2 and "DD_SGLANG_CACHE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stale_metrics_folders_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from dd_sglang import launch_server as ls
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    dead = tmp_path / f"{ls.PROM_DIR_PREFIX}999999999_abc"
+    live = tmp_path / f"{ls.PROM_DIR_PREFIX}{os.getpid()}_abc"
+    dead.mkdir()
+    live.mkdir()
+    ls._clean_stale_metrics_dirs()
+    assert not dead.exists() and live.exists()

@@ -85,6 +85,9 @@ def test_folder_without_marker_is_not_trusted(tmp_path, monkeypatch):
     out = prepare_model(root=root, progress=False)
     assert out == final and is_complete(out)
     assert not (final / "model.safetensors").exists()
+    # readable by other users of a shared cache (mkdtemp alone would leave 0700)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.iterdir())
 
 
 def test_converted_config(model_path):

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "clean":
         shutil.rmtree(model_dir(), ignore_errors=True)
+        (cache_root() / ".convert.lock").unlink(missing_ok=True)
         print(f"removed {model_dir()}")
         return 0
     try:
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: no model was written (the next run starts over)", file=sys.stderr)
+        return 130
     print(f"embedded model ready: {path} (cache: {cache_root()})")
     return 0
 

@@ -145,6 +145,10 @@ def convert(gguf: Path, out_dir: Path, progress: bool = True) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     src_dir, name = str(gguf.parent), gguf.name
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     with tqdm(total=3, desc="convert SmolLM2 GGUF", unit="step", disable=not progress) as bar:
         bar.set_postfix_str("tokenizer")
         tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
@@ -203,6 +207,10 @@ def prepare_model(root: Path | None = None, progress: bool = True) -> Path:
     final = model_dir(root)
     if is_complete(final):
         return final
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ModelError(f"DD_SGLANG_CACHE: cannot use {root} as the model cache folder ({err})") from None
     with _locked(root):
         if is_complete(final):  # another process finished while we waited
             return final
@@ -222,6 +230,10 @@ def prepare_model(root: Path | None = None, progress: bool = True) -> Path:
             convert(gguf, tmp, progress=progress)
             marker = {"source": str(gguf), "sha256": digest, "seconds": round(time.monotonic() - t0, 1)}
             (tmp / MARKER).write_text(json.dumps(marker, indent=2))
+            # mkdtemp makes the folder private (0700); a shared cache must be readable.
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+            tmp.chmod(0o755)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
