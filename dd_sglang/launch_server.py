@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     sidecar.join(timeout=5.0)
     metrics_sock.close()
     shutil.rmtree(prom_dir, ignore_errors=True)
+    logger.info("stopped (exit code %s)", rc)
     return rc
 
 
