@@ -113,12 +113,22 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.req_to_token = req_to_token
         self.params = params
         self.selector = make_selector(params.selector)
+        # Per-step plan (init_forward_metadata): sparse row numbers and each one's KV slots.
+        self._rows: list[int] = []
+        self._row_slots: list[torch.Tensor] = []
 
     def __getattr__(self, name):
         return getattr(self.__dict__["dense"], name)
 
     def init_forward_metadata(self, forward_batch) -> None:
+        """Plan once per step (host syncs happen here, not per layer): which decode rows are sparse."""
         self.dense.init_forward_metadata(forward_batch)
+        self._rows, self._row_slots = [], []
+        if forward_batch.forward_mode.is_decode():
+            seq_lens = forward_batch.seq_lens.tolist()
+            pool_idx = forward_batch.req_pool_indices.tolist()
+            self._rows = [i for i, n in enumerate(seq_lens) if sparse_plan(int(n), self.params)]
+            self._row_slots = [self.req_to_token[pool_idx[r], : int(seq_lens[r])].long() for r in self._rows]
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         return self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -139,26 +149,17 @@ class DualDecoderAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         out = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        seq_lens = forward_batch.seq_lens.tolist()
-        rows = [i for i, n in enumerate(seq_lens) if sparse_plan(int(n), self.params)]
+        rows = self._rows
         if not rows or layer.is_cross_attention:
             return out
         hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         q_ = q.reshape(-1, hq, d)
         k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        pool_idx = forward_batch.req_pool_indices.tolist()
         idx = torch.stack(
             [
-                critical_slots(
-                    q_[r],
-                    self.req_to_token[pool_idx[r], : int(seq_lens[r])].long(),
-                    k_buf,
-                    self.params,
-                    self.selector,
-                    layer.scaling,
-                )
-                for r in rows
+                critical_slots(q_[r], slots, k_buf, self.params, self.selector, layer.scaling)
+                for r, slots in zip(rows, self._row_slots, strict=True)
             ]
         )
         lengths = torch.full(idx.shape[:2], idx.shape[2], dtype=torch.int64, device=idx.device)
