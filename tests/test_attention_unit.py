@@ -8,7 +8,7 @@ import torch
 from dd_sglang.attention.backend import SparseParams, critical_slots, sparse_plan
 from dd_sglang.prefetch.selectors import OracleSelector
 
-P = SparseParams(min_sparse_len=100, top_k=8, n_sink=2, n_recent=4)
+P = SparseParams(min_sparse_len=100, top_k=8, n_sink=2, n_recent=4, selector="oracle")
 
 
 @pytest.mark.parametrize("n,sparse", [(99, False), (100, True), (14, False), (1000, True)])
@@ -18,8 +18,10 @@ def test_sparse_plan(n, sparse):
 
 def test_whole_context_coverage_stays_dense():
     # n_sink + n_recent + top_k = 14 >= n: the sparse set would be the whole context.
-    assert not sparse_plan(14, SparseParams(min_sparse_len=1, top_k=8, n_sink=2, n_recent=4))
-    assert sparse_plan(15, SparseParams(min_sparse_len=1, top_k=8, n_sink=2, n_recent=4))
+    assert not sparse_plan(
+        14, SparseParams(min_sparse_len=1, top_k=8, n_sink=2, n_recent=4, selector="oracle")
+    )
+    assert sparse_plan(15, SparseParams(min_sparse_len=1, top_k=8, n_sink=2, n_recent=4, selector="oracle"))
 
 
 def test_critical_slots_are_resident_plus_exact_topk_of_the_middle():

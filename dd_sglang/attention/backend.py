@@ -39,13 +39,14 @@ from dd_sglang.prefetch.selectors import Selector, make_selector
 
 @dataclass(frozen=True)
 class SparseParams:
-    """Sparse-path settings (the preset's ``sparse`` section). All counts in tokens."""
+    """Sparse-path settings, all counts in tokens. Built from the preset's validated
+    ``sparse`` section (``dd_sglang.config.SparseSection``), which holds the defaults."""
 
-    min_sparse_len: int = 1024
-    top_k: int = 256
-    n_sink: int = 4
-    n_recent: int = 128
-    selector: str = "oracle"
+    min_sparse_len: int
+    top_k: int
+    n_sink: int
+    n_recent: int
+    selector: str
 
 
 def sparse_plan(seq_len: int, p: SparseParams) -> bool:
