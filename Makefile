@@ -35,6 +35,7 @@ lint: $(STAMP)
 
 bench: model
 	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder
+	$(BIN)/python -m bench.capacity
 
 clean-model:
 	$(BIN)/python -m dd_sglang.models clean

@@ -19,8 +19,11 @@ INSTRUCTION = (
 )
 
 
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: int) -> tuple[str, int]:
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: int, header: str = "") -> tuple[str, int]:
     """Chat-formatted prompt of about ``n_tokens`` tokens with the passkey at ``depth`` (0..1).
+
+    ``header`` (optional) opens the user message; a distinct header per prompt
+    keeps prompts from sharing a radix-cache prefix.
 
     Returns:
         ``(prompt, n_prompt_tokens)`` where the count comes from ``tokenizer``.
@@ -39,7 +42,7 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, passkey: int) -> tupl
     body = FILLER * before + needle + FILLER * (n_fill - before)
     prompt = (
         "<|im_start|>user\n"
-        f"{INSTRUCTION}\n{body}\nWhat is the pass key?<|im_end|>\n"
+        f"{header}{INSTRUCTION}\n{body}\nWhat is the pass key?<|im_end|>\n"
         "<|im_start|>assistant\nThe pass key is "
     )
     return prompt, len(tokenizer.encode(prompt))

@@ -79,18 +79,28 @@ class MetricsSection(_Strict):
 
 
 class SparseSection(_Strict):
-    """The sparse decode path of the ``dualdecoder`` attention backend (tokens).
+    """The sparse decode path of the ``dualdecoder`` attention backend (token counts, bytes).
 
-    Used only when SGLang runs with ``--attention-backend dualdecoder``. A
-    decode step at context ``n`` is sparse when ``n >= min_sparse_len`` and
-    ``n > n_sink + n_recent + top_k``; it then attends to the first ``n_sink``
-    and last ``n_recent`` tokens plus ``top_k`` tokens chosen by ``selector``.
+    Used only when SGLang runs with ``--attention-backend dualdecoder`` (the
+    launcher then also selects ``--radix-cache-backend dualdecoder``). A request
+    whose prompt has at least ``min_sparse_len`` tokens is prefilled densely; its
+    KV is then copied to the host tier (``host_tier_bytes``, allocated in pages
+    of ``page_size`` tokens) and its device KV is released down to the resident
+    set: the first ``n_sink`` tokens, the last ``n_recent`` tokens and
+    ``n_keep`` more tokens ranked by ``keep_signal`` (``key_norm``: the key's L2
+    norm summed over layers and KV heads). Each decode step then attends, per
+    layer and KV head, to the resident set plus ``top_k`` host-tier tokens chosen
+    by ``selector``.
     """
 
     min_sparse_len: int = Field(1024, ge=1, le=10_000_000)
     top_k: int = Field(256, ge=1, le=1_000_000)
     n_sink: int = Field(4, ge=0, le=1_000_000)
-    n_recent: int = Field(128, ge=0, le=1_000_000)
+    n_recent: int = Field(128, ge=1, le=1_000_000)
+    n_keep: int = Field(0, ge=0, le=1_000_000)
+    keep_signal: Literal["key_norm"] = "key_norm"
+    page_size: int = Field(64, ge=1, le=65_536)
+    host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
     selector: Literal["oracle"] = "oracle"
 
 

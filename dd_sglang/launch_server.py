@@ -118,6 +118,10 @@ def build_sglang_argv(
     ``cpu`` (no CUDA; the dd_sglang CPU platform is active) adds ``--device cpu``:
     SGLang 0.5.23 resolves a missing ``--device`` through a path that expects a
     string from the platform (``srt/utils/common.py: get_device``).
+
+    ``--attention-backend dualdecoder`` (from the user or the preset) also adds
+    ``--radix-cache-backend dualdecoder``, ``--disable-overlap-schedule`` and, on
+    CUDA, ``--disable-cuda-graph``, unless given.
     """
     s = cfg.server
     defaults: list[tuple[str, object]] = [
@@ -136,6 +140,18 @@ def build_sglang_argv(
         if value is None or value is False or has_flag(user_argv, flag):
             continue
         out += [flag] if value is True else [flag, str(value)]
+    if flag_value(out, "--attention-backend") == "dualdecoder":
+        # The sparse path needs its radix cache (host tier, row release) and a
+        # scheduler that processes a batch's result before building the next one.
+        sparse_flags: list[tuple[str, object]] = [
+            ("--radix-cache-backend", "dualdecoder"),
+            ("--disable-overlap-schedule", True),
+            ("--disable-cuda-graph", None if cpu else True),
+        ]
+        for flag, value in sparse_flags:
+            if value is None or has_flag(out, flag):
+                continue
+            out += [flag] if value is True else [flag, str(value)]
     return out
 
 

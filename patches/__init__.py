@@ -23,7 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Hook modules, in registration order.
-MODULES = ("patches.managers_scheduler", "patches.layers_attention_attention_registry")
+MODULES = (
+    "patches.managers_scheduler",
+    "patches.layers_attention_attention_registry",
+    "patches.mem_cache_registry",
+)
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,33 @@ SYMBOLS = (
 
 
 def create_dualdecoder_backend(runner):
-    """Factory SGLang calls with its ``ModelRunner``: dense delegate + sparse params from the preset."""
+    """Factory SGLang calls with its ``ModelRunner``: dense delegate + sparse params from the preset.
+
+    Raises:
+        ValueError: ``--enable-mixed-chunk`` is set (a mixed batch would run dense
+            attention over a sparse request's released positions).
+    """
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.platforms import current_platform
 
     from dd_sglang.attention.backend import DualDecoderAttnBackend, SparseParams
+    from dd_sglang.kvcache import sparse_runtime
     from dd_sglang.metrics.definitions import SPARSE_DECODE_ROWS
     from dd_sglang.plugin.runtime import current_config
 
+    if getattr(runner.server_args, "enable_mixed_chunk", False):
+        raise ValueError(
+            "--attention-backend dualdecoder does not support --enable-mixed-chunk; drop that flag"
+        )
     dense = ATTENTION_BACKENDS[current_platform.get_default_attention_backend()](runner)
     params = SparseParams(**current_config().sparse.model_dump())
     return DualDecoderAttnBackend(
-        dense, runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token, params, SPARSE_DECODE_ROWS.inc
+        dense,
+        runner.token_to_kv_pool,
+        runner.req_to_token_pool.req_to_token,
+        params,
+        sparse_runtime.current,
+        SPARSE_DECODE_ROWS.inc,
     )
 
 

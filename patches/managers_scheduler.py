@@ -1,14 +1,18 @@
 """Hooks on ``sglang.srt.managers.scheduler.Scheduler`` (the scheduler process).
 
 * ``Scheduler.process_batch_result`` (AFTER): after every prefill/decode batch,
-  refresh the device-tier gauges (rate-limited by ``metrics.update_interval_s``).
+  with ``--radix-cache-backend dualdecoder``, let the sparse runtime offload
+  requests whose prefill just finished and flush/slide the sparse ones
+  (``SparseRuntime.after_extend`` / ``after_decode``; errors there propagate:
+  a half-done offload must not be hidden); then refresh the gauges
+  (rate-limited by ``metrics.update_interval_s``).
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
   idle baseline after the last request.
 * ``Scheduler.maybe_sleep_on_idle`` (BEFORE): with ``--sleep-on-idle`` the
   scheduler blocks here until the next request; publish unthrottled first, so
   the gauges show the idle state while it sleeps.
 
-A failure inside a hook is logged once and never reaches the scheduler loop.
+A failure inside a metrics update is logged once and never reaches the scheduler loop.
 """
 
 from __future__ import annotations
@@ -19,8 +23,17 @@ _MODULE = "sglang.srt.managers.scheduler"
 
 
 def Scheduler_process_batch_result(result, self, *args, **kwargs):
+    from dd_sglang.kvcache import sparse_runtime
     from dd_sglang.plugin.runtime import refresh_scheduler_metrics
 
+    runtime = sparse_runtime.current()
+    batch = args[0] if args else kwargs.get("batch")
+    if runtime is not None and batch is not None and batch.reqs:
+        mode = batch.forward_mode
+        if mode.is_decode():
+            runtime.after_decode(batch, self.tree_cache)
+        elif mode.is_extend():
+            runtime.after_extend(batch, self.tree_cache)
     refresh_scheduler_metrics(self)
 
 

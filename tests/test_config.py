@@ -37,6 +37,10 @@ def test_every_shipped_preset_validates():
         ({"server": {"max_total_tokens": 10}}, ["server.max_total_tokens", "ge 256"]),
         ({"metrics": {"update_interval_s": 0}}, ["metrics.update_interval_s", "ge 0.01"]),
         ({"server": {"port": "abc"}}, ["server.port", "integer"]),
+        ({"sparse": {"page_size": 0}}, ["sparse.page_size", "ge 1"]),
+        ({"sparse": {"host_tier_bytes": 1000}}, ["sparse.host_tier_bytes", "ge 1048576"]),
+        ({"sparse": {"n_recent": 0}}, ["sparse.n_recent", "ge 1"]),
+        ({"sparse": {"keep_signal": "attention"}}, ["sparse.keep_signal", "key_norm"]),
     ],
 )
 def test_bad_values_name_the_key_and_range(data, needles):
@@ -215,3 +219,12 @@ def test_stale_metrics_folders_of_dead_launchers_are_removed(tmp_path, monkeypat
     live.mkdir()
     ls._clean_stale_metrics_dirs()
     assert not dead.exists() and live.exists()
+
+
+def test_dualdecoder_backend_brings_its_radix_cache_and_scheduler_flags():
+    argv = build_sglang_argv(DDConfig(), ["--attention-backend", "dualdecoder"], "/m", cpu=True)
+    assert flag_value(argv, "--radix-cache-backend") == "dualdecoder"
+    assert "--disable-overlap-schedule" in argv and "--disable-cuda-graph" not in argv
+    gpu = build_sglang_argv(DDConfig(), ["--attention-backend=dualdecoder"], "/m", cpu=False)
+    assert "--disable-cuda-graph" in gpu
+    assert "--radix-cache-backend" not in build_sglang_argv(DDConfig(), [], "/m", cpu=True)

@@ -1,13 +1,21 @@
-"""End to end: SGLang with ``--attention-backend dualdecoder`` (sparse decode over device KV).
+"""End to end: SGLang with ``--attention-backend dualdecoder`` and a device KV pool sized for ~2 dense 4k requests.
 
-A second real server for this module, beside the session's dense one. The
-default preset's ``sparse`` section applies: contexts of 1,024+ tokens decode
-over 4 sink + 128 recent + top-256 oracle tokens per layer and KV head.
+One real server for this module, beside the session's dense one. The launcher
+adds ``--radix-cache-backend dualdecoder``; the default preset's ``sparse``
+section applies: prompts of 1,024+ tokens are prefilled densely, offloaded to
+the host tier, and decode over 4 sink + 128 recent + top-256 oracle tokens per
+layer and KV head.
+
+Every figure asserted here is read from the server: completions, SGLang's
+``cached_tokens``, and the sidecar's ``/metrics`` (device-pool accounting from
+SGLang's allocator and radix tree, host-tier accounting from the host pool).
 """
 
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -17,45 +25,91 @@ from bench.server import start_server
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
+BYTES_PER_TOKEN = 23_040  # SmolLM2 bf16: 30 layers x 2 x 3 KV heads x 64 x 2 B
+PROMPT_TARGET = 4200  # passkey_prompt size target: ~4,000 tokens
+CAP = 8400  # device KV pool: two ~4k dense requests fit, three do not
+RESIDENT_BOUND = 4 + 0 + 128 + 64  # n_sink + n_keep + n_recent + page_size (default preset)
 
 
 @pytest.fixture(scope="module")
 def dd_server(model_path, tmp_path_factory):
     try:
         srv = start_server(
-            tmp_path_factory.mktemp("dd_server") / "server.log", 16384, ["--attention-backend", "dualdecoder"]
+            tmp_path_factory.mktemp("dd_server") / "server.log",
+            CAP,
+            ["--attention-backend", "dualdecoder", "--enable-cache-report"],
         )
     except RuntimeError as err:
         pytest.fail(str(err))
     yield srv
     rc, alive = srv.stop()
     assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
+    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
 
 
-def _sparse_rows(srv) -> float:
+def metrics(srv) -> dict[str, float]:
+    """Every ``dd_`` sample of the sidecar's ``/metrics``, by name with labels."""
+    out = {}
     for line in httpx.get(f"{srv.metrics_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("dd_sparse_decode_rows_total "):
-            return float(line.split()[1])
-    return 0.0
+        if line.startswith("dd_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def transitions(m: dict, src: str, dst: str) -> float:
+    return m.get(f'dd_dualpath_transitions_total{{from="{src}",to="{dst}"}}', 0.0)
+
+
+def flush_when_idle(srv, timeout: float = 120.0) -> dict[str, float]:
+    """``/flush_cache`` once the server is idle (SGLang refuses while requests run); then the gauges."""
+    t0 = time.monotonic()
+    while httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code != 200:
+        assert time.monotonic() - t0 < timeout, "server never became idle"
+        time.sleep(0.5)
+    time.sleep(1.0)  # the idle hook republishes the gauges
+    return metrics(srv)
+
+
+def wait_idle(srv, timeout: float = 120.0) -> dict[str, float]:
+    """The gauges once no request is admitted."""
+    t0 = time.monotonic()
+    while True:
+        m = metrics(srv)
+        if all(v == 0 for k, v in m.items() if k.startswith("dd_dualpath_requests{")):
+            time.sleep(1.0)
+            return metrics(srv)
+        assert time.monotonic() - t0 < timeout, "requests still admitted"
+        time.sleep(0.5)
+
+
+def complete(srv, prompt: str, max_tokens: int) -> dict:
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        json={"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=900,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 @pytest.mark.parametrize("depth,passkey", [(0.1, 40917), (0.5, 11111), (0.9, 73052)])
 def test_passkey_4k_on_sparse_path(dd_server, tokenizer, depth, passkey):
-    prompt, n = passkey_prompt(tokenizer, 4000, depth, passkey)
-    assert n > 1024 + 256
-    before = _sparse_rows(dd_server)
-    r = httpx.post(
-        f"{dd_server.url}/v1/completions",
-        json={"model": "x", "prompt": prompt, "max_tokens": 8, "temperature": 0},
-        timeout=600,
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
+    prompt, n = passkey_prompt(tokenizer, PROMPT_TARGET, depth, passkey)
+    assert n > 3900
+    before = metrics(dd_server)
+    body = complete(dd_server, prompt, 8)
     assert re.match(rf"\s*{passkey}\b", body["choices"][0]["text"]), body["choices"][0]["text"]
+    after = metrics(dd_server)
+    assert (
+        transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
+        == 1
+    )
     # Every decode step after the first token ran sparsely in every layer.
     decode_steps = body["usage"]["completion_tokens"] - 1
     assert decode_steps >= 5
-    assert _sparse_rows(dd_server) - before >= decode_steps * N_LAYERS
+    rows = after["dd_sparse_decode_rows_total"] - before.get("dd_sparse_decode_rows_total", 0.0)
+    assert rows == decode_steps * N_LAYERS
 
 
 def test_short_context_is_token_identical_to_dense(dd_server, server):
@@ -66,8 +120,224 @@ def test_short_context_is_token_identical_to_dense(dd_server, server):
         "max_tokens": 48,
         "temperature": 0,
     }
-    before = _sparse_rows(dd_server)
+    before = metrics(dd_server).get("dd_sparse_decode_rows_total", 0.0)
     sparse = httpx.post(f"{dd_server.url}/v1/chat/completions", json=payload, timeout=300).json()
     dense = httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=300).json()
     assert sparse["choices"][0]["message"]["content"] == dense["choices"][0]["message"]["content"]
-    assert _sparse_rows(dd_server) == before
+    assert metrics(dd_server).get("dd_sparse_decode_rows_total", 0.0) == before
+
+
+def test_mixed_batch_dense_rows_match_dense(dd_server, server, tokenizer):
+    """A short request decoding in the same batches as a sparse one gets the dense server's tokens."""
+    prompt, _ = passkey_prompt(tokenizer, 2000, 0.5, 55555, header="Mixed batch check. ")
+    short = {"model": "x", "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}
+    expected = httpx.post(f"{server.url}/v1/completions", json=short, timeout=300).json()["choices"][0][
+        "text"
+    ]
+    before = metrics(dd_server)
+    got: dict = {}
+    with httpx.stream(
+        "POST",
+        f"{dd_server.url}/v1/completions",
+        json={"model": "x", "prompt": prompt, "max_tokens": 96, "temperature": 0, "stream": True},
+        timeout=600,
+    ) as resp:
+        lines = resp.iter_lines()
+        for line in lines:  # wait for the first streamed token: the long request is decoding
+            if line.startswith("data: {"):
+                break
+        t = threading.Thread(
+            target=lambda: got.update(
+                httpx.post(f"{dd_server.url}/v1/completions", json=short, timeout=300).json()
+            )
+        )
+        t.start()
+        t.join()
+        for _ in lines:
+            pass
+    assert got["choices"][0]["text"] == expected
+    rows = metrics(dd_server)["dd_sparse_decode_rows_total"] - before["dd_sparse_decode_rows_total"]
+    assert rows >= 24 * N_LAYERS  # the long request decoded sparsely meanwhile
+
+
+def test_capacity_8_concurrent_4k_requests(dd_server, tokenizer):
+    """8 concurrent ~4k requests in a pool that holds 2 dense ones: all finish, sparse, correct.
+
+    Sampling the sidecar every 0.2 s while they run: more than 2 requests (the dense
+    limit) are in DECODE_SPARSE at once, none holds more device slots than its
+    resident set + one pending page, and the device slots held by all of them
+    equal the sum of their resident sets (the allocator's used slots minus the
+    radix cache's).
+    """
+    keys = [10000 + 7919 * i for i in range(8)]
+    prompts = [
+        passkey_prompt(tokenizer, PROMPT_TARGET, d, k, header=f"Case {i}: {k % 97} apples. ")
+        for i, (d, k) in enumerate(zip([0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.6, 0.8], keys, strict=True))
+    ]
+    n_max = max(n for _, n in prompts)
+    assert 2 * (n_max + 16) <= CAP < 3 * min(n for _, n in prompts), (
+        "the pool must hold exactly 2 dense requests"
+    )
+    flush_when_idle(dd_server)
+    before = metrics(dd_server)
+    samples: list[dict] = []
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            samples.append(metrics(dd_server))
+            time.sleep(0.2)
+
+    results: list[dict | None] = [None] * 8
+
+    def run(i):
+        results[i] = complete(dd_server, prompts[i][0], 16)
+
+    poller = threading.Thread(target=sample)
+    poller.start()
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    done.set()
+    poller.join()
+    for k, body in zip(keys, results, strict=True):
+        assert body is not None
+        assert re.match(rf"\s*{k}\b", body["choices"][0]["text"]), (k, body["choices"][0]["text"])
+    after = metrics(dd_server)
+    assert (
+        transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
+        == 8
+    )
+    peak_sparse = max(s['dd_dualpath_requests{state="DECODE_SPARSE"}'] for s in samples)
+    assert peak_sparse > 2, f"peak concurrent sparse requests {peak_sparse}"
+    for s in samples:
+        n_sparse = s['dd_dualpath_requests{state="DECODE_SPARSE"}']
+        assert s["dd_sparse_request_device_tokens_max"] <= RESIDENT_BOUND
+        assert s["dd_sparse_resident_bytes"] <= n_sparse * RESIDENT_BOUND * BYTES_PER_TOKEN
+    # Samples where every admitted request is sparse: request-held device bytes are exactly the resident sets.
+    pure = [
+        s
+        for s in samples
+        if s['dd_dualpath_requests{state="DECODE_SPARSE"}'] > 0
+        and sum(v for k, v in s.items() if k.startswith("dd_dualpath_requests{")) == s['dd_dualpath_requests{state="DECODE_SPARSE"}']
+    ]  # fmt: skip
+    assert pure, "no sample caught only sparse requests running"
+    held_ok = [
+        s for s in pure if s["dd_device_kv_used_bytes"] - s["dd_device_kv_evictable_bytes"] == s["dd_sparse_resident_bytes"]
+    ]  # fmt: skip
+    # Gauges are published together after a batch; allow a sample caught mid-update but require most to match.
+    assert len(held_ok) >= len(pure) // 2, (len(held_ok), len(pure))
+    assert max(s["dd_critical_set_buffer_bytes"] for s in samples) > 0
+
+
+def test_multi_turn_reuses_host_tier_prefix(dd_server, tokenizer):
+    """Turn 2 extends a finished sparse turn 1 whose device copy was evicted: its host pages are reloaded."""
+    flush_when_idle(dd_server)
+    prompt1, n1 = passkey_prompt(tokenizer, 1800, 0.4, 62841, header="Conversation 4471 about a secret. ")
+    ids1 = tokenizer.encode(prompt1)
+    r1 = httpx.post(
+        f"{dd_server.url}/generate",
+        json={"input_ids": ids1, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        timeout=600,
+    ).json()
+    assert r1["text"].lstrip().startswith("62841"), r1["text"]
+    # Two unrelated ~4k prompts: the second needs the slots of turn 1's evictable device copy (LRU).
+    for i in range(2):
+        filler, _ = passkey_prompt(tokenizer, PROMPT_TARGET, 0.5, 30000 + i, header=f"Unrelated filler {i}. ")
+        complete(dd_server, filler, 2)
+    before = metrics(dd_server)
+    question = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nRepeat the pass key.<|im_end|>\n<|im_start|>assistant\nThe pass key is "
+    )
+    ids2 = ids1 + r1["output_ids"] + question
+    r2 = httpx.post(
+        f"{dd_server.url}/generate",
+        json={"input_ids": ids2, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        timeout=600,
+    ).json()
+    after = metrics(dd_server)
+    assert "62841" in r2["text"], r2["text"]
+    rebuilt = after.get("dd_host_tier_rebuilt_tokens_total", 0.0) - before.get(
+        "dd_host_tier_rebuilt_tokens_total", 0.0
+    )
+    assert rebuilt >= len(ids1) - 64, rebuilt  # turn 1's prompt came back from the host tier (page-granular)
+    assert r2["meta_info"]["cached_tokens"] >= rebuilt
+    assert transitions(after, "REBUILD", "PREFILL_FULL") - transitions(before, "REBUILD", "PREFILL_FULL") == 1
+
+
+def test_no_leaks_after_50_requests(dd_server, tokenizer):
+    """50 requests (finished, aborted mid-stream, rejected at admission): accounting returns to baseline."""
+    base = flush_when_idle(dd_server)
+    assert base["dd_device_kv_used_bytes"] == 0
+    assert base["dd_host_tier_used_bytes"] == 0
+    long_prompts = [
+        passkey_prompt(tokenizer, 1400, 0.5, 20000 + i, header=f"Leak check {i}. ")[0] for i in range(6)
+    ]
+    too_long, n_too_long = passkey_prompt(tokenizer, 9000, 0.5, 99999)
+    assert n_too_long > 8192
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def record(code: int):
+        with lock:
+            statuses.append(code)
+
+    def normal(i):
+        prompt = long_prompts[i % 3] if i < 3 else f"Count from {i} to {i + 5}:"
+        r = httpx.post(
+            f"{dd_server.url}/v1/completions",
+            json={"model": "x", "prompt": prompt, "max_tokens": 12, "temperature": 0},
+            timeout=600,
+        )
+        record(r.status_code)
+
+    def aborted(i):
+        prompt = long_prompts[3 + i % 3] if i < 3 else f"Write a long story about the number {i}."
+        with httpx.stream(
+            "POST",
+            f"{dd_server.url}/v1/completions",
+            json={"model": "x", "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True},
+            timeout=600,
+        ) as resp:
+            n = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                    if n >= 3:
+                        break  # client disconnects mid-stream
+        record(-1)
+
+    def rejected(_i):
+        r = httpx.post(
+            f"{dd_server.url}/v1/completions",
+            json={"model": "x", "prompt": too_long, "max_tokens": 8, "temperature": 0},
+            timeout=600,
+        )
+        record(r.status_code)
+
+    jobs = (
+        [(normal, i) for i in range(37)]
+        + [(aborted, i) for i in range(8)]
+        + [(rejected, i) for i in range(5)]
+    )
+    assert len(jobs) == 50
+    threads = [threading.Thread(target=fn, args=(i,)) for fn, i in jobs]
+    for k in range(0, 50, 10):  # ten at a time
+        for t in threads[k : k + 10]:
+            t.start()
+        for t in threads[k : k + 10]:
+            t.join()
+    assert statuses.count(200) == 37
+    assert statuses.count(400) == 5
+    assert statuses.count(-1) == 8
+    idle = wait_idle(dd_server)
+    # Idle: no request holds a device slot; the host tier holds only the prefix cache.
+    assert idle["dd_device_kv_used_bytes"] == idle["dd_device_kv_evictable_bytes"]
+    assert idle["dd_host_tier_used_bytes"] == idle["dd_host_tier_prefix_cache_bytes"]
+    assert idle["dd_sparse_resident_bytes"] == 0
+    end = flush_when_idle(dd_server)
+    assert end["dd_device_kv_used_bytes"] == base["dd_device_kv_used_bytes"] == 0
+    assert end["dd_host_tier_used_bytes"] == base["dd_host_tier_used_bytes"] == 0
+    assert end["dd_device_kv_capacity_bytes"] == base["dd_device_kv_capacity_bytes"]

@@ -37,6 +37,23 @@ def test_dualdecoder_backend_registered():
     assert ATTENTION_BACKENDS["dualdecoder"].__name__ == "create_dualdecoder_backend"
 
 
+def test_dualdecoder_radix_cache_registered():
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from dd_sglang.kvcache.radix import DualDecoderRadixCache
+
+    patches.register_all()
+    assert get_radix_cache_factory("dualdecoder").__name__ == "create_dualdecoder_radix_cache"
+    assert issubclass(DualDecoderRadixCache, UnifiedRadixCache)
+    # The methods the subclass overrides exist on the parent with the signatures SGLang calls.
+    import inspect
+
+    for name, params in [("free_kv_row", ["kv", "ranges"]), ("on_release", ["req", "checkpointed"]),
+                         ("match_prefix", ["params"]), ("reset", [])]:  # fmt: skip
+        assert list(inspect.signature(getattr(UnifiedRadixCache, name)).parameters)[1:] == params
+
+
 @pytest.mark.parametrize("hook", patches.all_hooks(), ids=lambda h: h.target)
 def test_hook_named_after_symbol(hook):
     # Scheduler.on_idle -> Scheduler_on_idle

@@ -17,6 +17,20 @@ def _data(lens, seed=0):
     return q, keys
 
 
+def _host(keys, seed=0):
+    """Scatter the requests' keys into a shuffled host buffer; return (host_keys, locations)."""
+    total = sum(len(k) for k in keys)
+    perm = torch.randperm(total + 10, generator=torch.Generator().manual_seed(seed))[:total]
+    host = torch.zeros(total + 10, HKV, D)
+    locations, start = [], 0
+    for kt in keys:
+        loc = perm[start : start + len(kt)]
+        host[loc] = kt
+        locations.append(loc)
+        start += len(kt)
+    return host, locations
+
+
 def test_scores_are_max_over_group_softmax():
     q, keys = _data([40])
     s = gqa_token_scores(q[0], keys[0], 0.125)
@@ -27,7 +41,8 @@ def test_scores_are_max_over_group_softmax():
 
 def test_oracle_returns_exact_topk_per_kv_head():
     q, keys = _data([100, 7, 33], seed=1)
-    cs = OracleSelector().select(q, keys, k=16, scale=D**-0.5)
+    host, loc = _host(keys)
+    cs = OracleSelector().select(q, loc, 16, host, D**-0.5)
     assert cs.positions.shape == (3, HKV, 16)
     assert cs.lengths.tolist() == [[16] * HKV, [7] * HKV, [16] * HKV]
     for r, kt in enumerate(keys):
@@ -42,7 +57,8 @@ def test_oracle_returns_exact_topk_per_kv_head():
 
 def test_k_at_least_context_selects_everything():
     q, keys = _data([12])
-    cs = OracleSelector().select(q, keys, k=64, scale=1.0)
+    host, loc = _host(keys)
+    cs = OracleSelector().select(q, loc, 64, host, 1.0)
     assert all(cs.as_sets(0, kv) == set(range(12)) for kv in range(HKV))
 
 
@@ -53,15 +69,20 @@ def test_oracle_keeps_no_device_state():
 @pytest.mark.parametrize(
     "call,needle",
     [
-        (lambda s, q, k: s.select(q, k, 0, 1.0), "k must be >= 1"),
-        (lambda s, q, k: s.select(q, k[:1], 4, 1.0), "one keys tensor per request"),
-        (lambda s, q, k: s.select(q, [k[0], torch.zeros(0, HKV, D)], 4, 1.0), r"keys\[1\]"),
+        (lambda s, q, h, loc: s.select(q, loc, 0, h, 1.0), "k must be >= 1"),
+        (lambda s, q, h, loc: s.select(q, loc[:1], 4, h, 1.0), "one locations tensor per request"),
+        (
+            lambda s, q, h, loc: s.select(q, [loc[0], torch.zeros(0, dtype=torch.int64)], 4, h, 1.0),
+            r"locations\[1\]",
+        ),
+        (lambda s, q, h, loc: s.select(q, loc, 4, h[:, :, :8], 1.0), "host_keys must be"),
     ],
 )
 def test_bad_input(call, needle):
     q, keys = _data([5, 6])
+    host, loc = _host(keys)
     with pytest.raises(ValueError, match=needle):
-        call(OracleSelector(), q, keys)
+        call(OracleSelector(), q, host, loc)
 
 
 def test_unknown_selector_name():

@@ -1,79 +1,72 @@
 """Sparse decode attention: one query token per request over a per-KV-head token subset.
 
 This is the PyTorch reference used everywhere (the FlashInfer kernel for CUDA
-will sit behind the same function signature). For request ``b`` and query head
-``h`` in KV-head group ``g = h // (Hq // Hkv)`` (GQA):
+will sit behind :func:`sparse_decode_attention`). For request ``b`` and query
+head ``h`` in KV-head group ``g = h // (Hq // Hkv)`` (GQA):
 
-    out[b, h] = softmax(scale * q[b, h] . K[idx[b, g, :n], g]) @ V[idx[b, g, :n], g]
+    out[b, h] = softmax(scale * q[b, h] . K_b[g, :]) @ V_b[g, :]
 
-where ``n = lengths[b, g]`` and ``K``/``V`` are SGLang's token-indexed per-layer
-KV buffers (``MHATokenToKVPool.k_buffer[layer]``, shape ``[slots, Hkv, D]``).
-Scores and softmax are computed in float32 and the result is cast to ``q``'s
-dtype. With ``idx`` covering every token of a request, the result equals dense
-attention over that request (tests/test_sparse_decode.py checks against
-``torch.nn.functional.scaled_dot_product_attention``).
+where ``K_b``/``V_b`` hold, per KV head, the keys/values of the tokens that
+request attends to (its resident set plus its critical set), already gathered
+from the device pool and the host tier by the caller.
+
+Each request is one call of ``torch.nn.functional.scaled_dot_product_attention``
+with ``enable_gqa=True`` on ``[Hq, 1, D]`` x ``[Hkv, n, D]``, the same call
+SGLang's ``torch_native`` backend makes per request
+(``sglang/srt/layers/attention/torch_native_backend.py``,
+``_run_sdpa_forward_decode``). So when a request's token set is its whole
+context in position order, the output is bit-identical to the dense path
+(``tests/test_sparse_decode.py`` checks this with ``torch.equal``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 
 def sparse_decode_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    indices: torch.Tensor,
-    lengths: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention over per-(request, KV head) token subsets.
+    """Decode attention of ``b`` requests, each over its own gathered tokens.
 
     Args:
-        q: queries, ``shape: [batch, num_q_heads, head_dim]``, float dtype.
-        k_buffer: keys, ``shape: [num_slots, num_kv_heads, head_dim]``, same dtype as ``q``.
-        v_buffer: values, ``shape: [num_slots, num_kv_heads, v_head_dim]``.
-        indices: slot indices, ``shape: [batch, num_kv_heads, max_len], dtype: torch.int64``;
-            entries at positions ``>= lengths[b, g]`` are padding (any valid slot, e.g. 0).
-            Each row's valid entries must be distinct (a duplicate would count twice).
-        lengths: valid entries per row, ``shape: [batch, num_kv_heads], dtype: torch.int32 or int64``,
-            each in ``[1, max_len]``.
+        q: queries, ``shape: [b, num_q_heads, head_dim]``, float dtype.
+        keys: ``b`` tensors, ``keys[i]`` of ``shape: [num_kv_heads, n_i, head_dim]``,
+            ``n_i >= 1``; row ``g`` holds the keys KV head ``g`` attends to (the
+            token sets may differ between heads, their count may not).
+        values: ``b`` tensors, ``values[i]`` of ``shape: [num_kv_heads, n_i, v_head_dim]``,
+            in the same token order as ``keys[i]``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
-        ``shape: [batch, num_q_heads, v_head_dim]``, ``q.dtype``.
+        ``shape: [b, num_q_heads, v_head_dim]``, ``q.dtype``.
 
     Raises:
-        ValueError: shapes disagree, ``num_q_heads`` is not a multiple of ``num_kv_heads``,
-            or a length is outside ``[1, max_len]``.
+        ValueError: ``q`` is not 3-D; the lists' lengths differ from ``b``; a key or
+            value tensor has the wrong shape or no tokens; ``num_q_heads`` is not a
+            multiple of ``num_kv_heads``.
     """
-    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3 or indices.dim() != 3:
-        raise ValueError("q, k_buffer, v_buffer and indices must be 3-D")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got {tuple(q.shape)}")
     b, hq, d = q.shape
-    hkv = k_buffer.shape[1]
-    if k_buffer.shape[2] != d or v_buffer.shape[:2] != k_buffer.shape[:2]:
-        raise ValueError(
-            f"k_buffer {tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)} do not fit q {tuple(q.shape)}"
-        )
-    if hq % hkv:
-        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
-    if indices.shape[:2] != (b, hkv) or lengths.shape != (b, hkv):
-        raise ValueError(
-            f"indices {tuple(indices.shape)} / lengths {tuple(lengths.shape)} must start with [{b}, {hkv}]"
-        )
-    max_len = indices.shape[2]
-    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > max_len):
-        raise ValueError(
-            f"lengths must lie in [1, {max_len}], got [{int(lengths.min())}, {int(lengths.max())}]"
-        )
-
-    heads = torch.arange(hkv, device=indices.device).view(1, hkv, 1)
-    k_sel = k_buffer[indices, heads].float()  # [b, hkv, L, d]
-    v_sel = v_buffer[indices, heads].float()  # [b, hkv, L, dv]
-    qg = q.float().view(b, hkv, hq // hkv, d)  # [b, hkv, g, d]
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, k_sel) * scale
-    valid = torch.arange(max_len, device=indices.device).view(1, 1, max_len) < lengths.unsqueeze(-1)
-    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,bhld->bhgd", probs, v_sel)
-    return out.reshape(b, hq, v_buffer.shape[2]).to(q.dtype)
+    if len(keys) != b or len(values) != b:
+        raise ValueError(f"need {b} key and value tensors, got {len(keys)} and {len(values)}")
+    outs = []
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if k.dim() != 3 or k.shape[2] != d or k.shape[1] < 1:
+            raise ValueError(f"keys[{i}] must be [num_kv_heads, n >= 1, {d}], got {tuple(k.shape)}")
+        if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
+            raise ValueError(f"values[{i}] {tuple(v.shape)} does not match keys[{i}] {tuple(k.shape)}")
+        if hq % k.shape[0]:
+            raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {k.shape[0]}")
+        qi = q[i].unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D], as torch_native passes it
+        ki, vi = k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0)
+        out = scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=hq != k.shape[0])
+        outs.append(out[0, :, 0])
+    if not outs:
+        return q.new_empty((0, hq, d))
+    return torch.stack(outs)

@@ -95,6 +95,22 @@ class DualPath:
         self.history: list[PathState] = [self.state]
         self._on_transition = on_transition
 
+    @classmethod
+    def starting_in(
+        cls, state: PathState, rid: str, min_sparse_len: int, on_transition: TransitionCallback | None = None
+    ) -> DualPath:
+        """A path that starts in ``state`` (``REBUILD`` for a new turn whose prefix is host-only).
+
+        Raises:
+            ValueError: ``state`` is ``FINISHED`` or ``min_sparse_len`` < 1.
+        """
+        if state is S.FINISHED:
+            raise ValueError("a DualPath cannot start FINISHED")
+        path = cls(rid, 0, min_sparse_len, on_transition)
+        path.state = state
+        path.history = [state]
+        return path
+
     def wants_sparse(self, context_len: int) -> bool:
         """True when a context of ``context_len`` tokens belongs on the sparse path."""
         return context_len >= self.min_sparse_len

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-#: DualPath request states (DESIGN.md). Until the sparse path exists every
-#: admitted request is ``DENSE``; the others are exported as 0 so dashboards
-#: and alerts can be written against the full set.
+#: DualPath request states (DESIGN.md). Without ``--attention-backend
+#: dualdecoder`` every running request is ``DENSE``; every state is exported
+#: (0 when empty) so dashboards and alerts can be written against the full set.
 DUALPATH_STATES = ("DENSE", "PREFILL_FULL", "OFFLOADING", "DECODE_SPARSE", "REBUILD", "FINISHED")
 
 DEVICE_KV_CAPACITY_BYTES = Gauge(
@@ -41,12 +41,33 @@ DEVICE_KV_EVICTABLE_BYTES = Gauge(
 )
 HOST_TIER_CAPACITY_BYTES = Gauge(
     "dd_host_tier_capacity_bytes",
-    "Bytes reserved for the host-tier sparse KV pool (0 while no host tier is configured).",
+    "Bytes of the host-tier sparse KV pool's K and V buffers (0 without --attention-backend dualdecoder).",
     multiprocess_mode="livesum",
 )
 HOST_TIER_USED_BYTES = Gauge(
     "dd_host_tier_used_bytes",
-    "Bytes of host-tier KV pages allocated to requests (0 while no host tier is configured).",
+    "Bytes of allocated host-tier KV pages: running sparse requests plus the host prefix cache.",
+    multiprocess_mode="livesum",
+)
+HOST_TIER_PREFIX_CACHE_BYTES = Gauge(
+    "dd_host_tier_prefix_cache_bytes",
+    "Bytes of host-tier pages held by finished requests for prefix reuse (part of dd_host_tier_used_bytes).",
+    multiprocess_mode="livesum",
+)
+SPARSE_RESIDENT_BYTES = Gauge(
+    "dd_sparse_resident_bytes",
+    "Device-tier KV bytes held by DECODE_SPARSE requests (their resident sets: sinks, kept tokens, window).",
+    multiprocess_mode="livesum",
+)
+SPARSE_REQUEST_DEVICE_TOKENS_MAX = Gauge(
+    "dd_sparse_request_device_tokens_max",
+    "Most device KV slots held by one DECODE_SPARSE request now (tokens).",
+    multiprocess_mode="livemax",
+)
+CRITICAL_SET_BUFFER_BYTES = Gauge(
+    "dd_critical_set_buffer_bytes",
+    "Bytes of critical-set K/V gathered from the host tier for one layer in the last sparse decode step, "
+    "summed over its sparse requests (the layer buffer the sparse kernel reads).",
     multiprocess_mode="livesum",
 )
 HBM_USED_BYTES = Gauge(
@@ -58,11 +79,20 @@ HBM_USED_BYTES = Gauge(
 )
 DUALPATH_REQUESTS = Gauge(
     "dd_dualpath_requests",
-    "Requests in the scheduler's running batch, by DualPath state.",
+    "Admitted requests by DualPath state (without dualdecoder: the running batch, all DENSE).",
     ["state"],
     multiprocess_mode="livesum",
+)
+DUALPATH_TRANSITIONS = Counter(
+    "dd_dualpath_transitions",
+    "DualPath state transitions of requests, by source and destination state.",
+    ["from", "to"],
 )
 SPARSE_DECODE_ROWS = Counter(
     "dd_sparse_decode_rows",
     "(request, layer) attention rows decoded on the sparse path by the dualdecoder backend.",
+)
+HOST_TIER_REBUILT_TOKENS = Counter(
+    "dd_host_tier_rebuilt_tokens",
+    "Tokens of finished requests' host-tier KV loaded back to the device as a new request's prefix (REBUILD).",
 )

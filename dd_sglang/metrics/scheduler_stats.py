@@ -30,6 +30,7 @@ class DeviceTierSnapshot:
     evictable_tokens: int
     running_requests: int
     cuda_allocated_bytes: int | None
+    host: dict | None = None  # sparse runtime figures (see sparse_snapshot), None without dualdecoder
 
     @property
     def used_bytes(self) -> int:
@@ -63,7 +64,37 @@ def snapshot(scheduler) -> DeviceTierSnapshot:
 
     if torch.cuda.is_available():
         cuda_bytes = int(torch.cuda.memory_allocated())
-    return DeviceTierSnapshot(capacity, per_token, slots, used, evictable, running, cuda_bytes)
+    return DeviceTierSnapshot(
+        capacity, per_token, slots, used, evictable, running, cuda_bytes, sparse_snapshot()
+    )
+
+
+def sparse_snapshot() -> dict | None:
+    """Host-tier and sparse-path figures of this process's ``SparseRuntime`` (None when absent).
+
+    Keys: ``host_capacity_bytes``, ``host_used_bytes``, ``host_prefix_cache_bytes``,
+    ``resident_tokens`` (device slots of sparse requests), ``request_device_tokens_max``,
+    ``critical_buffer_bytes``, ``states`` (requests by DualPath state), ``offloaded_tokens``,
+    ``rebuilt_tokens``, ``host_bytes_per_token``.
+    """
+    from dd_sglang.kvcache import sparse_runtime
+
+    rt = sparse_runtime.current()
+    if rt is None:
+        return None
+    per_token = rt.host.get_size_per_token()
+    return {
+        "host_capacity_bytes": rt.host.capacity_bytes,
+        "host_used_bytes": rt.host.used_bytes,
+        "host_prefix_cache_bytes": rt.host_entry_tokens() * per_token,
+        "host_bytes_per_token": per_token,
+        "resident_tokens": rt.resident_tokens(),
+        "request_device_tokens_max": rt.max_request_device_tokens(),
+        "critical_buffer_bytes": rt.critical_buffer_bytes if rt.by_pool else 0,
+        "states": rt.state_counts(),
+        "offloaded_tokens": rt.offloaded_tokens,
+        "rebuilt_tokens": rt.rebuilt_tokens,
+    }
 
 
 class SchedulerMetrics:
@@ -95,12 +126,22 @@ class SchedulerMetrics:
         m.DEVICE_KV_CAPACITY_BYTES.set(snap.capacity_bytes)
         m.DEVICE_KV_USED_BYTES.set(snap.used_bytes)
         m.DEVICE_KV_EVICTABLE_BYTES.set(snap.evictable_bytes)
-        m.HOST_TIER_CAPACITY_BYTES.set(0)
-        m.HOST_TIER_USED_BYTES.set(0)
+        h = snap.host
+        m.HOST_TIER_CAPACITY_BYTES.set(h["host_capacity_bytes"] if h else 0)
+        m.HOST_TIER_USED_BYTES.set(h["host_used_bytes"] if h else 0)
+        m.HOST_TIER_PREFIX_CACHE_BYTES.set(h["host_prefix_cache_bytes"] if h else 0)
+        m.SPARSE_RESIDENT_BYTES.set(h["resident_tokens"] * snap.bytes_per_token if h else 0)
+        m.SPARSE_REQUEST_DEVICE_TOKENS_MAX.set(h["request_device_tokens_max"] if h else 0)
+        m.CRITICAL_SET_BUFFER_BYTES.set(h["critical_buffer_bytes"] if h else 0)
         if snap.cuda_allocated_bytes is not None:
             m.HBM_USED_BYTES.labels(source="cuda_allocator").set(snap.cuda_allocated_bytes)
         else:
             m.HBM_USED_BYTES.labels(source="cpu_device_pool").set(snap.capacity_bytes)
         if self.report_requests:
             for state in m.DUALPATH_STATES:
-                m.DUALPATH_REQUESTS.labels(state=state).set(snap.running_requests if state == "DENSE" else 0)
+                if h is not None:
+                    m.DUALPATH_REQUESTS.labels(state=state).set(h["states"][state])
+                else:
+                    m.DUALPATH_REQUESTS.labels(state=state).set(
+                        snap.running_requests if state == "DENSE" else 0
+                    )

@@ -2,18 +2,22 @@
 
 Interface (every selector, one layer at a time)::
 
-    selector.select(queries, keys, k, scale) -> CriticalSet
+    selector.select(queries, locations, k, host_keys, scale) -> CriticalSet
 
 * ``queries``: ``shape: [num_reqs, num_q_heads, head_dim]``, the queries that
   drive selection (the current token's for ``oracle``; a speculated token's
   for the predictive selectors of the prediction issue).
-* ``keys``: one tensor per request, ``shape: [context_len_r, num_kv_heads, head_dim]``,
-  the request's keys in token-position order, as gathered from the host tier.
+* ``locations``: one tensor per request, ``shape: [n_r], dtype: torch.int64``,
+  the host-tier slots of the request's candidate tokens (its host-tier tokens
+  outside the resident set), in position order.
 * ``k``: critical-set budget in tokens (>= 1).
+* ``host_keys``: the layer's host-tier key buffer,
+  ``shape: [host_slots, num_kv_heads, head_dim]`` (``HostSparseKVPool.k[layer]``).
+* ``scale``: softmax scale.
 * Result: :class:`CriticalSet` with ``positions``
-  ``shape: [num_reqs, num_kv_heads, k], dtype: torch.int64`` (token positions
-  within each request, best first) and ``lengths`` ``[num_reqs, num_kv_heads]``
-  (``min(k, context_len_r)``; entries past it are padding 0).
+  ``shape: [num_reqs, num_kv_heads, k], dtype: torch.int64`` (indices into each
+  request's ``locations``, best first) and ``lengths`` ``[num_reqs, num_kv_heads]``
+  (``min(k, n_r)``; entries past it are padding 0).
 
 Scores follow DESIGN.md ("Measuring the prefetch hit rate honestly"): a KV
 head's score for a token is the **max over its query heads** (GQA group
@@ -67,17 +71,19 @@ def gqa_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
     return torch.softmax(logits, dim=-1).amax(dim=1)
 
 
-def _check(queries: torch.Tensor, keys: list[torch.Tensor], k: int) -> None:
+def _check(queries: torch.Tensor, locations: list[torch.Tensor], k: int, host_keys: torch.Tensor) -> None:
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if queries.dim() != 3 or len(keys) != queries.shape[0]:
-        raise ValueError(f"queries must be [num_reqs, num_q_heads, head_dim] with one keys tensor per request; "
-                         f"got {tuple(queries.shape)} and {len(keys)} keys tensors")  # fmt: skip
-    for i, kt in enumerate(keys):
-        if kt.dim() != 3 or kt.shape[0] < 1 or kt.shape[2] != queries.shape[2]:
-            raise ValueError(
-                f"keys[{i}] must be [context_len >= 1, num_kv_heads, {queries.shape[2]}], got {tuple(kt.shape)}"
-            )
+    if queries.dim() != 3 or len(locations) != queries.shape[0]:
+        raise ValueError(f"queries must be [num_reqs, num_q_heads, head_dim] with one locations tensor per "
+                         f"request; got {tuple(queries.shape)} and {len(locations)} locations tensors")  # fmt: skip
+    if host_keys.dim() != 3 or host_keys.shape[2] != queries.shape[2]:
+        raise ValueError(
+            f"host_keys must be [host_slots, num_kv_heads, {queries.shape[2]}], got {tuple(host_keys.shape)}"
+        )
+    for i, loc in enumerate(locations):
+        if loc.dim() != 1 or loc.numel() < 1:
+            raise ValueError(f"locations[{i}] must be [n >= 1] host slots, got {tuple(loc.shape)}")
 
 
 class Selector:
@@ -85,7 +91,14 @@ class Selector:
 
     name = "base"
 
-    def select(self, queries: torch.Tensor, keys: list[torch.Tensor], k: int, scale: float) -> CriticalSet:
+    def select(
+        self,
+        queries: torch.Tensor,
+        locations: list[torch.Tensor],
+        k: int,
+        host_keys: torch.Tensor,
+        scale: float,
+    ) -> CriticalSet:
         raise NotImplementedError
 
     def device_aux_bytes(self) -> int:
@@ -102,13 +115,21 @@ class OracleSelector(Selector):
 
     name = "oracle"
 
-    def select(self, queries: torch.Tensor, keys: list[torch.Tensor], k: int, scale: float) -> CriticalSet:
+    def select(
+        self,
+        queries: torch.Tensor,
+        locations: list[torch.Tensor],
+        k: int,
+        host_keys: torch.Tensor,
+        scale: float,
+    ) -> CriticalSet:
         """See the module docstring. Raises ``ValueError`` on bad shapes or ``k < 1``."""
-        _check(queries, keys, k)
-        hkv = keys[0].shape[1]
-        positions = torch.zeros(len(keys), hkv, k, dtype=torch.int64)
-        lengths = torch.zeros(len(keys), hkv, dtype=torch.int64)
-        for r, kt in enumerate(keys):
+        _check(queries, locations, k, host_keys)
+        hkv = host_keys.shape[1]
+        positions = torch.zeros(len(locations), hkv, k, dtype=torch.int64)
+        lengths = torch.zeros(len(locations), hkv, dtype=torch.int64)
+        for r, loc in enumerate(locations):
+            kt = host_keys.index_select(0, loc)  # every candidate key: the oracle reads them all
             scores = gqa_token_scores(queries[r], kt, scale)
             n = min(k, kt.shape[0])
             positions[r, :, :n] = scores.topk(n, dim=-1).indices

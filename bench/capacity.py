@@ -1,0 +1,166 @@
+"""Capacity benchmark: concurrent long requests in one device KV budget, dense vs ``dualdecoder``.
+
+Usage::
+
+    python -m bench.capacity [--out bench/results/capacity_cpu.json] [--requests 8]
+                             [--max-total-tokens 8400] [--prompt-tokens 4200] [--new-tokens 32]
+
+For each backend (``torch_native``, then ``dualdecoder``), in one run: start a
+dd_sglang server whose device KV pool holds ``--max-total-tokens`` tokens (8,400:
+two ~4k dense requests), send ``--requests`` distinct ~4k-token passkey prompts
+at once (greedy, ``--new-tokens`` each, ``ignore_eos``), and sample the sidecar
+every 0.2 s. Recorded per backend:
+
+* ``peak_concurrent_decoding``: most requests decoding at once (dense: the
+  ``DENSE`` running batch; dualdecoder: ``DECODE_SPARSE``);
+* ``wall_seconds`` from the first send to the last answer, and
+  ``output_tokens_per_second`` = all generated tokens / wall;
+* ``decode_tokens_per_second``: generated tokens after each request's first
+  one, divided by the time from the first first-token to the last answer;
+* passkeys found, per-request latency, the peak of the per-request device
+  slots (``dd_sparse_request_device_tokens_max``) and of the host tier's bytes.
+
+Results are JSON; nothing here is a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.prompts import passkey_prompt
+from bench.server import start_server
+
+
+def _dd(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("dd_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def run_backend(backend: str, prompts: list[tuple[str, int, int]], args) -> dict:
+    """One server, all prompts at once; see the module docstring for the figures."""
+    log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
+    srv = start_server(log, args.max_total_tokens, ["--attention-backend", backend])
+    samples: list[tuple[float, dict]] = []
+    done = threading.Event()
+    results: list[dict] = [{} for _ in prompts]
+
+    def sample():
+        while not done.is_set():
+            samples.append((time.monotonic(), _dd(srv.metrics_url)))
+            time.sleep(0.2)
+
+    def run(i: int, prompt: str, key: int):
+        t0 = time.monotonic()
+        first = None
+        text = ""
+        payload = {"model": "x", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
+                   "stream": True, "ignore_eos": True}  # fmt: skip
+        n = 0
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=payload, timeout=3600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])["choices"][0]["text"]
+                    if chunk:
+                        n += 1
+                        text += chunk
+                        first = first or time.monotonic()
+        results[i] = {"passkey": key, "answer": text[:40], "found": bool(re.match(rf"\s*{key}\b", text)),
+                      "chunks": n, "start": t0, "first_token": first, "end": time.monotonic()}  # fmt: skip
+
+    try:
+        poller = threading.Thread(target=sample, daemon=True)
+        poller.start()
+        t0 = time.monotonic()
+        workers = [threading.Thread(target=run, args=(i, p, k)) for i, (p, _, k) in enumerate(prompts)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.monotonic() - t0
+        done.set()
+        poller.join()
+    finally:
+        rc, alive = srv.stop()
+    state = "DECODE_SPARSE" if backend == "dualdecoder" else "DENSE"
+    key = f'dd_dualpath_requests{{state="{state}"}}'
+    tokens = sum(r["chunks"] for r in results)
+    first = min(r["first_token"] for r in results)
+    end = max(r["end"] for r in results)
+    return {
+        "engine_start_seconds": round(srv.start_seconds, 1),
+        "peak_rss_bytes": srv.peak_rss_bytes,
+        "shutdown": {"exit_code": rc, "processes_left": alive},
+        "found": sum(r["found"] for r in results),
+        "total": len(results),
+        "peak_concurrent_decoding": int(max(s.get(key, 0) for _, s in samples)),
+        "peak_request_device_tokens": int(
+            max(s.get("dd_sparse_request_device_tokens_max", 0) for _, s in samples)
+        ),
+        "peak_host_tier_used_bytes": int(max(s.get("dd_host_tier_used_bytes", 0) for _, s in samples)),
+        "wall_seconds": round(wall, 2),
+        "output_tokens": tokens,
+        "output_tokens_per_second": round(tokens / wall, 3),
+        "decode_tokens_per_second": round((tokens - len(results)) / (end - first), 3),
+        "latency_seconds": [round(r["end"] - r["start"], 2) for r in results],
+        "answers": [{"passkey": r["passkey"], "answer": r["answer"], "found": r["found"]} for r in results],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__)
+    ap.add_argument("--out", default="bench/results/capacity_cpu.json")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-total-tokens", type=int, default=8400)
+    ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target (~4k tokens)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--backends", default="torch_native,dualdecoder")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from dd_sglang.models.smollm2 import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
+    prompts = []
+    for i in range(args.requests):
+        key = 10000 + (7919 * (i + 1)) % 90000
+        p, n = passkey_prompt(tok, args.prompt_tokens, (i + 0.5) / args.requests, key, header=f"Case {i}. ")
+        prompts.append((p, n, key))
+    runs = {b: run_backend(b, prompts, args) for b in args.backends.split(",")}
+    result = {
+        "benchmark": "concurrent ~4k-token requests in one device KV budget, dense vs dualdecoder (CPU)",
+        "command": "python -m bench.capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "device_kv_budget_tokens": args.max_total_tokens,
+        "prompt_tokens": [n for _, n, _ in prompts],
+        "new_tokens_per_request": args.new_tokens,
+        "backends": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for b, r in runs.items():
+        print(f"{b}: {r['found']}/{r['total']} passkeys, peak {r['peak_concurrent_decoding']} decoding at once, "
+              f"{r['output_tokens_per_second']} out tok/s, {r['decode_tokens_per_second']} decode tok/s, "
+              f"wall {r['wall_seconds']} s")  # fmt: skip
+    print(f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""Sparse-path settings shared by the KV-cache runtime and the attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SparseParams:
+    """Sparse-path settings (token counts unless named ``_bytes``).
+
+    Built from the preset's validated ``sparse`` section
+    (:class:`dd_sglang.config.SparseSection`), which holds the defaults and the
+    allowed ranges; this class has none of its own.
+
+    Attributes:
+        min_sparse_len: requests whose context reaches this many tokens go sparse.
+        top_k: critical-set size per layer and KV head.
+        n_sink: first tokens kept resident on the device.
+        n_recent: last tokens kept resident on the device (the sliding window).
+        n_keep: extra resident tokens, the highest by ``keep_signal``.
+        keep_signal: ``"key_norm"``: L2 norm of the token's key, summed over layers and KV heads.
+        page_size: host-tier allocation unit, and how many decode tokens are
+            flushed to the host tier at a time.
+        host_tier_bytes: host-tier capacity (K+V of all layers).
+        selector: critical-set selector name (``dd_sglang.prefetch.selectors``).
+    """
+
+    min_sparse_len: int
+    top_k: int
+    n_sink: int
+    n_recent: int
+    n_keep: int
+    keep_signal: str
+    page_size: int
+    host_tier_bytes: int
+    selector: str
+
+    @property
+    def resident_bound(self) -> int:
+        """Most device slots a sparse request holds: sink + keep + window + one page pending flush."""
+        return self.n_sink + self.n_keep + self.n_recent + self.page_size

@@ -1,0 +1,88 @@
+"""Registration in ``sglang.srt.mem_cache.registry`` (every SGLang process).
+
+``register_radix_cache_backend("dualdecoder")``: ``--radix-cache-backend dualdecoder``
+(added by the launcher with ``--attention-backend dualdecoder``) makes SGLang's
+scheduler build its tree cache with :func:`create_dualdecoder_radix_cache`:
+SGLang's ``create_unified_radix_cache`` with the class
+:class:`dd_sglang.kvcache.radix.DualDecoderRadixCache`, plus the process's
+:class:`dd_sglang.kvcache.sparse_runtime.SparseRuntime` (host tier and DualPath
+bookkeeping), whose transitions are counted in ``dd_dualpath_transitions_total``.
+"""
+
+from __future__ import annotations
+
+BACKEND_NAME = "dualdecoder"
+#: SGLang symbols this module uses (checked by tests/test_patches.py).
+SYMBOLS = (
+    "sglang.srt.mem_cache.registry.register_radix_cache_backend",
+    "sglang.srt.mem_cache.registry.registered_radix_cache_backends",
+    "sglang.srt.mem_cache.registry.create_unified_radix_cache",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.free_kv_row",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.on_release",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.reset",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.path_device_indices",
+)
+
+
+def _count_transition(src, dst) -> None:
+    from dd_sglang.metrics.definitions import DUALPATH_TRANSITIONS
+
+    DUALPATH_TRANSITIONS.labels(**{"from": src.value, "to": dst.value}).inc()
+
+
+def _count_rebuild(n_tokens: int) -> None:
+    from dd_sglang.metrics.definitions import HOST_TIER_REBUILT_TOKENS
+
+    HOST_TIER_REBUILT_TOKENS.inc(n_tokens)
+
+
+def create_dualdecoder_radix_cache(ctx):
+    """Factory SGLang calls with its ``TreeCacheBuildContext``.
+
+    Raises:
+        ValueError: ``--enable-hierarchical-cache`` is set (the dualdecoder host tier
+            replaces HiCache's), or the model is hybrid (SWA / Mamba), which the
+            host tier does not store.
+    """
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from dd_sglang.kvcache import sparse_runtime
+    from dd_sglang.kvcache.params import SparseParams
+    from dd_sglang.kvcache.radix import DualDecoderRadixCache
+    from dd_sglang.plugin.runtime import current_config
+
+    if ctx.enable_hierarchical_cache:
+        raise ValueError(
+            "--radix-cache-backend dualdecoder brings its own host tier; drop --enable-hierarchical-cache"
+        )
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        raise ValueError(
+            "--radix-cache-backend dualdecoder supports full-attention models only (no SWA/Mamba)"
+        )
+    cache = create_unified_radix_cache(ctx, cache_class=DualDecoderRadixCache)
+    allocator = ctx.params.token_to_kv_pool_allocator
+    runtime = sparse_runtime.SparseRuntime(
+        SparseParams(**current_config().sparse.model_dump()),
+        allocator.get_kvcache(),
+        allocator,
+        ctx.params.req_to_token_pool.req_to_token,
+        on_transition=_count_transition,
+        on_rebuild=_count_rebuild,
+    )
+    cache.attach_runtime(runtime)
+    sparse_runtime.set_current(runtime)
+    return cache
+
+
+def register_radix_cache_backend() -> None:
+    """Register ``dualdecoder`` with SGLang's radix-cache registry (idempotent)."""
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend as register
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register(BACKEND_NAME, create_dualdecoder_radix_cache)
+
+
+REGISTRATIONS = [register_radix_cache_backend]

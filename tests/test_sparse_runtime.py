@@ -1,0 +1,257 @@
+"""SparseRuntime bookkeeping against SGLang-shaped fakes: bytes and slots accounted exactly.
+
+The fakes mirror the SGLang objects the runtime touches (``MHATokenToKVPool``'s
+``k_buffer``/``v_buffer`` lists with padding slot 0, the token allocator's
+``alloc``/``free``/``available_size``, a ``Req`` with its ``ReqKvInfo``), so every
+figure here is computed from real tensors, not mocked.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dd_sglang.kvcache.dualpath import PathState
+from dd_sglang.kvcache.params import SparseParams
+from dd_sglang.kvcache.sparse_runtime import SparseRuntime
+
+LAYERS, HKV, D, SLOTS = 2, 3, 4, 400
+PER_TOKEN = LAYERS * 2 * HKV * D * 4  # float32 K+V bytes of one token
+
+
+class FakePool:
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.k_buffer = [torch.randn(SLOTS + 1, HKV, D, generator=g) for _ in range(LAYERS)]
+        self.v_buffer = [torch.randn(SLOTS + 1, HKV, D, generator=g) for _ in range(LAYERS)]
+        self.head_num, self.head_dim, self.v_head_dim, self.layer_num = HKV, D, D, LAYERS
+
+
+class FakeAllocator:
+    device = "cpu"
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.size = SLOTS
+        self.free_slots = list(range(1, SLOTS + 1))
+
+    def available_size(self):
+        return len(self.free_slots)
+
+    def alloc(self, n):
+        if n > len(self.free_slots):
+            return None
+        got, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return torch.tensor(got, dtype=torch.int64)
+
+    def free(self, idx):
+        idx = idx.tolist()
+        assert 0 not in idx, "freed the padding slot"
+        assert not set(idx) & set(self.free_slots), "double free"
+        assert len(set(idx)) == len(idx), "double free"
+        self.free_slots += idx
+
+    def evict_to_free_tokens(self, tree, n):
+        pass
+
+    def get_kvcache(self):
+        return self.pool
+
+
+class FakeTree:
+    def __init__(self):
+        self.unlocked = []
+
+    def unlock(self, lock):
+        self.unlocked.append(lock)
+
+
+def params(**kw):
+    base = dict(min_sparse_len=50, top_k=8, n_sink=4, n_recent=16, n_keep=3, keep_signal="key_norm",
+                page_size=8, host_tier_bytes=2000 * PER_TOKEN, selector="oracle")  # fmt: skip
+    base.update(kw)
+    return SparseParams(**base)
+
+
+def setup(p=None, prompt=100, tree_owned=60):
+    """A request with ``prompt`` tokens prefilled; the radix tree owns positions ``[0, tree_owned)``."""
+    pool = FakePool()
+    alloc = FakeAllocator(pool)
+    req_to_token = torch.zeros(4, 1024, dtype=torch.int32)
+    rt = SparseRuntime(p or params(), pool, alloc, req_to_token)
+    tree_slots = alloc.alloc(tree_owned)  # held by the (fake) radix tree
+    own = alloc.alloc(prompt - tree_owned)
+    req_to_token[2, :prompt] = torch.cat([tree_slots, own]).int()
+    kv = SimpleNamespace(req_pool_idx=2, cache_protected_len=tree_owned, kv_committed_len=prompt,
+                         kv_allocated_len=prompt, holds_kv=True)  # fmt: skip
+    req = SimpleNamespace(rid="r1", origin_input_ids=list(range(1000, 1000 + prompt)), output_ids=[7], kv=kv,
+                          lock="lock-r1", skip_radix_cache_insert=False, extra_key=None, cache_salt=None,
+                          finished=lambda: False)  # fmt: skip
+    original_k = [k.clone() for k in pool.k_buffer]
+    original_v = [v.clone() for v in pool.v_buffer]
+    return rt, pool, alloc, req_to_token, req, FakeTree(), original_k, original_v
+
+
+def test_offload_copies_everything_and_keeps_only_the_resident_set():
+    rt, pool, alloc, r2t, req, tree, ok, ov = setup()
+    row0 = r2t[2, :100].long().clone()
+    free_before = alloc.available_size()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    assert st.path.state is PathState.DECODE_SPARSE
+    assert st.path.history == [PathState.PREFILL_FULL, PathState.OFFLOADING, PathState.DECODE_SPARSE]
+    # Host tier: every layer's K/V of all 100 positions, bit for bit; 13 pages of 8 allocated.
+    for layer in range(LAYERS):
+        hk, hv = rt.host.gather(layer, st.host_slots[:100])
+        assert torch.equal(hk, ok[layer][row0]) and torch.equal(hv, ov[layer][row0])
+    assert rt.host.used_bytes == 104 * PER_TOKEN
+    # Resident set: 4 sinks + 3 largest key norms in [4, 84) + window [84, 100).
+    norms = sum(ok[layer][row0[4:84]].norm(dim=-1).sum(-1) for layer in range(LAYERS))
+    keep = sorted((norms.topk(3).indices + 4).tolist())
+    assert st.keep_pos.tolist() == [0, 1, 2, 3, *keep]
+    assert st.win_start == 84
+    resident = [0, 1, 2, 3, *keep, *range(84, 100)]
+    row = r2t[2, :100].long()
+    for p in range(100):
+        if p in resident:
+            assert row[p] != 0
+            for layer in range(LAYERS):  # same K/V, wherever the slot now is
+                assert torch.equal(pool.k_buffer[layer][row[p]], ok[layer][row0[p]])
+        else:
+            assert row[p] == 0  # points at the padding slot
+    # Slots: resident positions the tree owned got fresh slots; request-owned non-resident ones were freed.
+    tree_resident = sum(1 for p in resident if p < 60)
+    owned_gone = sum(1 for p in range(60, 100) if p not in resident)
+    assert alloc.available_size() == free_before - tree_resident + owned_gone
+    assert st.device_tokens(100) == len(resident)
+    assert rt.resident_tokens() == len(resident)
+    # The request no longer pins the tree's copy and never inserts its holed row.
+    assert tree.unlocked == ["lock-r1"] and req.lock is None
+    assert req.kv.cache_protected_len == 0 and req.skip_radix_cache_insert
+    # Candidates for the critical set: every host position outside the resident set.
+    assert st.host_candidates().tolist() == [p for p in range(100) if p not in resident]
+
+
+def decode_steps(rt, alloc, pool, r2t, req, tree, n):
+    """``n`` decode steps as SGLang runs them: one new slot per step, its K/V written, committed."""
+    bound = rt.params.resident_bound
+    for _ in range(n):
+        pos = req.kv.kv_committed_len
+        slot = alloc.alloc(1)
+        r2t[2, pos] = slot.int()
+        for layer in range(LAYERS):
+            pool.k_buffer[layer][slot] = torch.randn(1, HKV, D)
+            pool.v_buffer[layer][slot] = torch.randn(1, HKV, D)
+        req.kv.kv_committed_len += 1
+        req.kv.kv_allocated_len += 1
+        req.output_ids.append(pos)
+        rt.after_decode(SimpleNamespace(reqs=[req]), tree)
+        st = rt.requests[req.rid]
+        assert st.device_tokens(req.kv.kv_committed_len) <= bound
+        assert st.win_start <= st.host_len <= req.kv.kv_committed_len
+
+
+def test_decode_flushes_pages_and_slides_the_window():
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    snapshots = {}
+    for _ in range(37):
+        decode_steps(rt, alloc, pool, r2t, req, tree, 1)
+        pos = req.kv.kv_committed_len - 1
+        snapshots[pos] = [pool.k_buffer[layer][r2t[2, pos].long()].clone() for layer in range(LAYERS)]
+    assert req.kv.kv_committed_len == 137
+    assert st.host_len == 132  # 100 + four whole pages of 8 decode tokens; 5 pending on the device
+    assert st.win_start == 137 - 16  # the window slid as pages reached the host tier
+    for pos, ks in snapshots.items():
+        if pos < st.host_len:
+            for layer in range(LAYERS):
+                assert torch.equal(rt.host.gather(layer, st.host_slots[pos : pos + 1])[0][0], ks[layer])
+    # Allocator: 60 tree slots + the resident set, nothing else.
+    used = SLOTS - alloc.available_size()
+    assert used == 60 + st.device_tokens(137)
+
+
+def test_release_returns_every_slot_and_keeps_host_pages_as_a_prefix_entry():
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    decode_steps(rt, alloc, pool, r2t, req, tree, 10)
+    st = rt.requests["r1"]
+    # What SGLang's release_kv_cache does: free_kv_row over [cache_protected_len, owned), then on_release.
+    assert rt.free_request_slots(req.kv, [(req.kv.cache_protected_len, req.kv.kv_committed_len)])
+    assert rt.free_request_slots(req.kv, [(110, 110)])  # the empty over-allocated tail
+    assert SLOTS - alloc.available_size() == 60  # only the tree's slots remain
+    assert st.host_len == 110  # the decode tail was flushed before its slots went back
+    rt.on_release(req)
+    assert st.path.state is PathState.FINISHED and not rt.requests and not rt.by_pool
+    assert rt.host.used_bytes == rt.host_entry_tokens() * PER_TOKEN == 112 * PER_TOKEN
+    ids = torch.tensor(req.origin_input_ids + req.output_ids[:10])
+    assert rt.longest_host_prefix(ids[:110], (None, None))[0] == 110
+    assert rt.longest_host_prefix(torch.cat([ids[:50], torch.tensor([5])]), (None, None))[0] == 50
+    assert rt.longest_host_prefix(ids[:110], ("lora-a", None))[0] == 0  # namespaces never mix
+    rt.reset()
+    assert rt.host.used_bytes == 0
+
+
+def test_rebuild_loads_the_host_prefix_into_device_slots():
+    rt, pool, alloc, r2t, req, tree, ok, _ = setup()
+    row0 = r2t[2, :100].long().clone()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    rt.free_request_slots(req.kv, [(0, 100)])
+    rt.on_release(req)
+    (entry_id,) = rt.entries
+    dst = alloc.alloc(70)
+    rt.rebuild_prefix("r2", entry_id, 30, 100, dst)
+    for layer in range(LAYERS):
+        assert torch.equal(pool.k_buffer[layer][dst], ok[layer][row0[30:100]])
+    assert rt.rebuilt_tokens == 70
+    # The next request with that rid starts in REBUILD.
+    req2 = SimpleNamespace(**{**vars(req), "rid": "r2", "output_ids": []})
+    req2.kv = SimpleNamespace(**{**vars(req.kv), "req_pool_idx": 3})
+    rt.after_extend(SimpleNamespace(reqs=[req2]), tree)
+    assert rt.requests["r2"].path.history == [PathState.REBUILD, PathState.PREFILL_FULL]
+
+
+def test_host_tier_full_keeps_the_request_dense_and_loses_nothing():
+    rt, pool, alloc, r2t, req, tree, *_ = setup(params(host_tier_bytes=3 * 8 * PER_TOKEN))
+    row0 = r2t[2].clone()
+    free_before = alloc.available_size()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    assert st.path.state is PathState.DENSE
+    assert torch.equal(r2t[2], row0) and alloc.available_size() == free_before
+    assert rt.host.used_bytes == 0 and tree.unlocked == [] and not req.skip_radix_cache_insert
+    assert not rt.free_request_slots(req.kv, [(60, 100)])  # SGLang frees a dense request itself
+
+
+def test_short_prompt_stays_dense():
+    rt, pool, alloc, r2t, req, tree, *_ = setup(params(min_sparse_len=500))
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert rt.requests["r1"].path.state is PathState.DENSE
+    assert rt.state_counts()["DENSE"] == 1
+
+
+def test_host_entries_are_evicted_lru_first_when_the_tier_fills():
+    p = params(host_tier_bytes=(14 + 1) * 8 * PER_TOKEN)  # 14 usable pages: one 100-token request
+    rt, pool, alloc, r2t, req, tree, *_ = setup(p)
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    rt.free_request_slots(req.kv, [(0, 100)])
+    rt.on_release(req)
+    assert len(rt.entries) == 1
+    # A second request needs the pages: the finished entry goes.
+    _, _, alloc2, r2t2, req2, tree2, *_ = setup(p)
+    rt2 = rt
+    rt2.allocator, rt2.req_to_token = alloc2, r2t2
+    rt2.device_pool = alloc2.pool
+    req2.rid = "r9"
+    rt2.after_extend(SimpleNamespace(reqs=[req2]), tree2)
+    assert rt2.requests["r9"].path.state is PathState.DECODE_SPARSE
+    assert not rt2.entries
+
+
+@pytest.mark.parametrize("bad", [{"host_tier_bytes": 8 * PER_TOKEN}])
+def test_host_tier_below_two_pages_is_refused(bad):
+    with pytest.raises(ValueError, match="host_tier_bytes"):
+        setup(params(**bad))
