@@ -4,7 +4,9 @@
   with ``--radix-cache-backend dualdecoder``, let the sparse runtime offload
   requests whose prefill just finished and flush/slide the sparse ones
   (``SparseRuntime.after_extend`` / ``after_decode``; errors there propagate:
-  a half-done offload must not be hidden); then refresh the gauges
+  a half-done offload must not be hidden). When that made device slots
+  reclaimable, reopen admission (``running_batch.batch_is_full = False``, as
+  SGLang does when a request leaves). Then refresh the gauges
   (rate-limited by ``metrics.update_interval_s``).
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
   idle baseline after the last request.
@@ -30,10 +32,16 @@ def Scheduler_process_batch_result(result, self, *args, **kwargs):
     batch = args[0] if args else kwargs.get("batch")
     if runtime is not None and batch is not None and batch.reqs:
         mode = batch.forward_mode
+        reclaimed = 0
         if mode.is_decode():
-            runtime.after_decode(batch, self.tree_cache)
+            reclaimed = runtime.after_decode(batch, self.tree_cache)
         elif mode.is_extend():
-            runtime.after_extend(batch, self.tree_cache)
+            reclaimed = runtime.after_extend(batch, self.tree_cache)
+        running = getattr(self, "running_batch", None)
+        if reclaimed and running is not None:
+            # SGLang closes admission (batch_is_full) when a request did not fit (NO_TOKEN) and
+            # only a leaving request reopens it; released device KV is room just the same.
+            running.batch_is_full = False
     refresh_scheduler_metrics(self)
 
 

@@ -176,6 +176,7 @@ class SparseRuntime:
         self.rebuilt_tokens = 0
         self.peak_request_device_tokens = 0
         self.critical_buffer_bytes = 0  # set by the attention backend each sparse layer
+        self.reclaimed_slots = 0  # device slots given back (freed or left evictable), cumulative
 
     # ------------------------------------------------------------------ lookups
     def sparse_request(self, pool_idx: int) -> SparseRequest | None:
@@ -222,8 +223,13 @@ class SparseRuntime:
             self.requests[req.rid] = st
         return st
 
-    def after_extend(self, batch, tree_cache) -> None:
-        """After a prefill/extend batch: track each request; offload those whose prefill is done."""
+    def after_extend(self, batch, tree_cache) -> int:
+        """After a prefill/extend batch: track each request; offload those whose prefill is done.
+
+        Returns the number of device slots the offloads made reclaimable (freed, or left to the
+        radix tree as evictable cache).
+        """
+        before = self.reclaimed_slots
         for req in batch.reqs:
             if req.finished() or not req.kv.holds_kv:
                 continue
@@ -235,9 +241,14 @@ class SparseRuntime:
             self._kv_len[req.rid] = int(req.kv.kv_committed_len)
             if st.path.state is S.PREFILL_FULL:
                 self.offload(req, st, tree_cache)
+        return self.reclaimed_slots - before
 
-    def after_decode(self, batch, tree_cache) -> None:
-        """After a decode batch: flush full pages of sparse requests, or offload grown dense ones."""
+    def after_decode(self, batch, tree_cache) -> int:
+        """After a decode batch: flush full pages of sparse requests, or offload grown dense ones.
+
+        Returns the number of device slots made reclaimable (see :meth:`after_extend`).
+        """
+        before = self.reclaimed_slots
         for req in batch.reqs:
             if req.finished() or not req.kv.holds_kv:
                 continue
@@ -254,6 +265,7 @@ class SparseRuntime:
             self.peak_request_device_tokens = max(
                 self.peak_request_device_tokens, self.max_request_device_tokens()
             )
+        return self.reclaimed_slots - before
 
     # ------------------------------------------------------------------ host tier
     def _host_alloc(self, n_tokens: int) -> torch.Tensor | None:
@@ -358,6 +370,7 @@ class SparseRuntime:
         self.by_pool[pool_idx] = st
         self._kv_len[req.rid] = L
         self.offloaded_tokens += L
+        self.reclaimed_slots += L - int(resident.numel())
         st.path.to(S.DECODE_SPARSE)
         self.peak_request_device_tokens = max(self.peak_request_device_tokens, st.device_tokens(L))
         return True
@@ -377,6 +390,7 @@ class SparseRuntime:
             gone = row[st.win_start : new_w].long()
             self.allocator.free(gone.to(self.allocator.device))
             row[st.win_start : new_w] = 0
+            self.reclaimed_slots += new_w - st.win_start
             st.win_start = new_w
 
     # ------------------------------------------------------------------ release
