@@ -90,7 +90,11 @@ class SparseSection(_Strict):
     ``n_keep`` more tokens ranked by ``keep_signal`` (``key_norm``: the key's L2
     norm summed over layers and KV heads). Each decode step then attends, per
     layer and KV head, to the resident set plus ``top_k`` host-tier tokens chosen
-    by ``selector``.
+    by ``selector``: ``oracle`` (exact top-k of the current query, chosen at
+    attention time) or ``recency`` (exact top-k of the previous step's query,
+    fixed one step ahead; its prefetch hit rate is exported). A request may
+    override ``top_k`` and ``selector`` through ``custom_params``
+    (``dd_top_k``, ``dd_selector``).
     """
 
     min_sparse_len: int = Field(1024, ge=1, le=10_000_000)
@@ -101,7 +105,7 @@ class SparseSection(_Strict):
     keep_signal: Literal["key_norm"] = "key_norm"
     page_size: int = Field(64, ge=1, le=65_536)
     host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
-    selector: Literal["oracle"] = "oracle"
+    selector: Literal["oracle", "recency"] = "oracle"
 
 
 class DDConfig(_Strict):

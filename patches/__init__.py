@@ -27,6 +27,7 @@ MODULES = (
     "patches.managers_scheduler",
     "patches.layers_attention_attention_registry",
     "patches.mem_cache_registry",
+    "patches.sampling_sampling_params",
 )
 
 

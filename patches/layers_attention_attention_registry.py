@@ -46,7 +46,19 @@ def create_dualdecoder_backend(runner):
         params,
         sparse_runtime.current,
         SPARSE_DECODE_ROWS.inc,
+        _count_prefetch,
     )
+
+
+def _count_prefetch(selector: str, layer: int, hits: int | None, lookups: int | None) -> None:
+    from dd_sglang.metrics import definitions as m
+
+    if hits is None:
+        m.PREFETCH_COLD.labels(selector=selector).inc()
+        return
+    m.PREFETCH_HITS.labels(selector=selector).inc(hits)
+    m.PREFETCH_LOOKUPS.labels(selector=selector).inc(lookups)
+    m.PREFETCH_LAYER_HIT_RATE.labels(layer=str(layer)).observe(hits / lookups)
 
 
 def register_attention_backend() -> None:

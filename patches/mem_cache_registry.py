@@ -52,6 +52,7 @@ def create_dualdecoder_radix_cache(ctx):
     from dd_sglang.kvcache.params import SparseParams
     from dd_sglang.kvcache.radix import DualDecoderRadixCache
     from dd_sglang.plugin.runtime import current_config
+    from dd_sglang.prefetch.selectors import SELECTORS
 
     if ctx.enable_hierarchical_cache:
         raise ValueError(
@@ -70,6 +71,7 @@ def create_dualdecoder_radix_cache(ctx):
         ctx.params.req_to_token_pool.req_to_token,
         on_transition=_count_transition,
         on_rebuild=_count_rebuild,
+        selectors=tuple(SELECTORS),
     )
     cache.attach_runtime(runtime)
     sparse_runtime.set_current(runtime)

@@ -112,6 +112,86 @@ def test_passkey_4k_on_sparse_path(dd_server, tokenizer, depth, passkey):
     assert rows == decode_steps * N_LAYERS
 
 
+@pytest.mark.parametrize("selector", ["oracle", "recency"])
+def test_full_top_k_is_token_identical_to_dense(dd_server, server, tokenizer, selector):
+    """Exactness: with top_k >= the context (a per-request override), the sparse path equals dense.
+
+    The request still goes PREFILL_FULL -> OFFLOADING -> DECODE_SPARSE, its device KV
+    is released down to the resident set, and every decode step gathers the rest of
+    its context from the host tier; its 48 greedy tokens on a ~3,000-token prompt
+    equal the session's dense (torch_native) server's, token for token.
+    """
+    prompt, _ = passkey_prompt(tokenizer, 3200, 0.5, 48213, header=f"Exactness {selector}. ")
+    ids = tokenizer.encode(prompt)
+    assert 2950 <= len(ids) <= 3100
+    sampling = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    before = metrics(dd_server)
+    sparse = httpx.post(
+        f"{dd_server.url}/generate",
+        json={"input_ids": ids, "sampling_params": {**sampling, "custom_params": {"dd_top_k": 8192, "dd_selector": selector}}},
+        timeout=600,
+    ).json()  # fmt: skip
+    after = metrics(dd_server)
+    dense = httpx.post(
+        f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sampling}, timeout=600
+    )
+    dense = dense.json()
+    assert len(dense["output_ids"]) == 48
+    assert sparse["output_ids"] == dense["output_ids"]
+    assert (
+        transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
+        == 1
+    )
+    rows = after["dd_sparse_decode_rows_total"] - before.get("dd_sparse_decode_rows_total", 0.0)
+    assert rows == 47 * N_LAYERS  # every decode step, every layer, on the sparse path
+
+
+def test_recency_selector_fixes_the_next_set_one_step_ahead(dd_server, tokenizer):
+    """``recency`` (per-request override): passkey found; hit rate of the set fixed one step ahead exported."""
+    prompt, _ = passkey_prompt(tokenizer, PROMPT_TARGET, 0.5, 36912, header="Recency check. ")
+    before = metrics(dd_server)
+    r = httpx.post(
+        f"{dd_server.url}/v1/completions",
+        json={"model": "x", "prompt": prompt, "max_tokens": 8, "temperature": 0, "custom_params": {"dd_selector": "recency"}},
+        timeout=600,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert re.match(r"\s*36912\b", body["choices"][0]["text"]), body["choices"][0]["text"]
+    after = metrics(dd_server)
+    steps = body["usage"]["completion_tokens"] - 1
+    key = '{selector="recency"}'
+    cold = after[f"dd_prefetch_cold_total{key}"] - before.get(f"dd_prefetch_cold_total{key}", 0.0)
+    lookups = after[f"dd_prefetch_lookups_total{key}"] - before.get(f"dd_prefetch_lookups_total{key}", 0.0)
+    hits = after[f"dd_prefetch_hits_total{key}"] - before.get(f"dd_prefetch_hits_total{key}", 0.0)
+    assert cold == N_LAYERS  # the first sparse step of each layer had nothing fixed in advance
+    assert lookups == (steps - 1) * N_LAYERS * 3 * 256  # later steps: k x KV heads per layer
+    assert 0 < hits <= lookups
+    stats = httpx.get(f"{dd_server.metrics_url}/stats", timeout=10).json()
+    assert 0 < stats["prefetch_hit_rate"]["recency"] <= 1
+
+
+@pytest.mark.parametrize(
+    "custom,needle",
+    [
+        ({"dd_top_k": 0}, "custom_params.dd_top_k must be an integer in [1, 1000000]"),
+        ({"dd_top_k": "many"}, "custom_params.dd_top_k must be an integer"),
+        ({"dd_selector": "psychic"}, "custom_params.dd_selector must be one of ['oracle', 'recency']"),
+    ],
+)
+def test_bad_override_is_rejected_before_admission(dd_server, custom, needle):
+    before = metrics(dd_server)
+    r = httpx.post(
+        f"{dd_server.url}/v1/completions",
+        json={"model": "x", "prompt": "Hello", "max_tokens": 4, "custom_params": custom},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert needle in r.text
+    after = metrics(dd_server)
+    assert after["dd_device_kv_used_bytes"] == before["dd_device_kv_used_bytes"]
+
+
 def test_short_context_is_token_identical_to_dense(dd_server, server):
     """Below min_sparse_len the backend delegates to the dense one: same greedy tokens."""
     payload = {

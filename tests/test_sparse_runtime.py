@@ -255,3 +255,29 @@ def test_host_entries_are_evicted_lru_first_when_the_tier_fills():
 def test_host_tier_below_two_pages_is_refused(bad):
     with pytest.raises(ValueError, match="host_tier_bytes"):
         setup(params(**bad))
+
+
+def test_request_overrides_are_validated_with_the_field_named():
+    from dd_sglang.kvcache.params import request_overrides
+
+    sel = ("oracle", "recency")
+    assert request_overrides(None, sel) == {}
+    assert request_overrides({"other": 1}, sel) == {}
+    assert request_overrides({"dd_top_k": 8192, "dd_selector": "recency"}, sel) == {
+        "top_k": 8192,
+        "selector": "recency",
+    }
+    for bad, needle in [({"dd_top_k": 0}, "dd_top_k must be an integer in [1, 1000000], got 0"),
+                        ({"dd_top_k": True}, "dd_top_k"), ({"dd_top_k": 2.5}, "dd_top_k"),
+                        ({"dd_selector": "x"}, "dd_selector must be one of ['oracle', 'recency']")]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            request_overrides(bad, sel)
+        assert needle in str(e.value)
+
+
+def test_overrides_reach_the_request_state():
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 17})
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    assert st.top_k == 17 and st.selector == "oracle"

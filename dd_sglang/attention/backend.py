@@ -37,7 +37,12 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from dd_sglang.kernels.sparse_decode import sparse_decode_attention
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
-from dd_sglang.prefetch.selectors import make_selector
+from dd_sglang.prefetch.selectors import SELECTORS, OracleSelector
+
+
+def make_selector_cls(name: str):
+    """The selector class registered as ``name`` (``dd_sglang.prefetch.selectors.SELECTORS``)."""
+    return SELECTORS[name]
 
 __all__ = ["DualDecoderAttnBackend", "SparseParams", "SparseRowPlan", "plan_sparse_row"]
 
@@ -51,6 +56,7 @@ class SparseRowPlan:
         dev_pos: ``[R]`` int64 resident positions (sorted); ``dev_slots``: their device slots.
         cand_pos: ``[C]`` int64 host-tier positions outside the resident set (sorted);
             ``cand_slots``: their host-tier slots.
+        st: the request's :class:`~dd_sglang.kvcache.sparse_runtime.SparseRequest`.
     """
 
     row: int
@@ -58,6 +64,7 @@ class SparseRowPlan:
     dev_slots: torch.Tensor
     cand_pos: torch.Tensor
     cand_slots: torch.Tensor
+    st: object = None
 
 
 def plan_sparse_row(row: int, seq_len: int, st, req_to_token_row: torch.Tensor) -> SparseRowPlan:
@@ -74,6 +81,7 @@ def plan_sparse_row(row: int, seq_len: int, st, req_to_token_row: torch.Tensor) 
         req_to_token_row[dev_pos.to(req_to_token_row.device)].long(),
         cand_pos,
         st.host_slots[cand_pos],
+        st,
     )
 
 
@@ -90,6 +98,10 @@ class DualDecoderAttnBackend(AttentionBackend):
             step: SGLang builds the attention backend before the radix cache).
         on_sparse_rows: called with the number of (request, layer) rows each decode
             layer served sparsely (the plugin counts them in ``dd_sparse_decode_rows_total``).
+        on_prefetch: for lookahead selectors, called per (request, layer) as
+            ``(selector, layer, hits, lookups)``: ``hits`` = tokens of the current exact
+            top-k (summed over KV heads) that the set fixed one step earlier held,
+            ``lookups`` = ``k x num_kv_heads``; both None for a cold start.
 
     Attributes not defined here (CUDA-graph hooks and the like) are served by
     the dense backend.
@@ -103,6 +115,7 @@ class DualDecoderAttnBackend(AttentionBackend):
         params: SparseParams,
         runtime: Callable[[], SparseRuntime | None],
         on_sparse_rows: Callable[[int], None] | None = None,
+        on_prefetch: Callable[[str, int, int | None, int | None], None] | None = None,
     ):
         super().__init__()
         self.dense = dense
@@ -111,7 +124,8 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.params = params
         self.runtime = runtime
         self.on_sparse_rows = on_sparse_rows
-        self.selector = make_selector(params.selector)
+        self.on_prefetch = on_prefetch
+        self._exact = OracleSelector()  # exact top-k, the scoring every selector here starts from
         try:
             from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -209,7 +223,14 @@ class DualDecoderAttnBackend(AttentionBackend):
         return out
 
     def _gather(self, q_sparse: torch.Tensor, layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sparse row: ``[Hkv, n, D]`` K and V of resident ∪ critical set, in position order."""
+        """Per sparse row: ``[Hkv, n, D]`` K and V of resident ∪ critical set, in position order.
+
+        Critical set per row (``k`` = the request's ``top_k``): every candidate when
+        there are at most ``k``; else ``oracle`` takes the exact top-k of the current
+        query; a ``lookahead`` selector (``recency``) takes the set fixed during the
+        previous step, records how much of the current exact top-k it holds (the
+        prefetch hit rate), and fixes the set of the next step.
+        """
         rt = self._rt
         pool = self.token_to_kv_pool
         lid = layer.layer_id
@@ -218,24 +239,32 @@ class DualDecoderAttnBackend(AttentionBackend):
         host_k, host_v = rt.host.k[host_layer], rt.host.v[host_layer]
         hkv = k_buf.shape[1]
         heads = torch.arange(hkv).unsqueeze(1)
-        top_k = self.params.top_k
-        # Critical sets: every candidate when they fit in top_k, else the selector's choice.
-        chosen: list[torch.Tensor | None] = [None] * len(self._plans)
-        need = [i for i, p in enumerate(self._plans) if p.cand_pos.numel() > top_k]
-        if need:
-            locations = [self._plans[i].cand_slots for i in need]
-            cs = self.selector.select(q_sparse[need].cpu(), locations, top_k, host_k, layer.scaling)
-            for j, i in enumerate(need):
-                chosen[i] = cs.positions[j, :, : int(cs.lengths[j].min())]
+        q_host = q_sparse.cpu()
         keys, values, buf_bytes = [], [], 0
         for i, p in enumerate(self._plans):
-            c = p.cand_pos.numel()
-            sel = chosen[i] if chosen[i] is not None else torch.arange(c).unsqueeze(0).expand(hkv, c)
+            st = p.st
+            c, k = p.cand_pos.numel(), st.top_k
+            if c <= k:
+                sel = torch.arange(c).unsqueeze(0).expand(hkv, c)
+            else:
+                cs = self._exact.select(q_host[i : i + 1], [p.cand_slots], k, host_k, layer.scaling)
+                exact = cs.positions[0]  # [Hkv, k] indices into the candidates
+                sel = exact
+                if make_selector_cls(st.selector).lookahead:
+                    prev = st.prefetched.get(host_layer)
+                    if prev is None:
+                        if self.on_prefetch is not None:
+                            self.on_prefetch(st.selector, host_layer, None, None)
+                    else:
+                        sel = torch.searchsorted(p.cand_pos, prev)
+                        if self.on_prefetch is not None:
+                            hits = sum(
+                                int(torch.isin(prev[h], p.cand_pos[exact[h]]).sum()) for h in range(hkv)
+                            )
+                            self.on_prefetch(st.selector, host_layer, hits, hkv * k)
+                    st.prefetched[host_layer] = p.cand_pos[exact]  # fixed now for the next step
             sel_slots = p.cand_slots[sel]  # [Hkv, k]
-            kc, vc = (
-                host_k[sel_slots, heads],
-                host_v[sel_slots, heads],
-            )  # [Hkv, k, D]: the critical-set buffer
+            kc, vc = host_k[sel_slots, heads], host_v[sel_slots, heads]  # [Hkv, k, D]: the critical-set buffer
             buf_bytes += kc.nbytes + vc.nbytes
             kd = k_buf[p.dev_slots].permute(1, 0, 2).to(kc.device)
             vd = v_buf[p.dev_slots].permute(1, 0, 2).to(kc.device)

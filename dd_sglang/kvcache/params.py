@@ -40,3 +40,39 @@ class SparseParams:
     def resident_bound(self) -> int:
         """Most device slots a sparse request holds: sink + keep + window + one page pending flush."""
         return self.n_sink + self.n_keep + self.n_recent + self.page_size
+
+
+#: Per-request overrides a client may put in ``sampling_params.custom_params``
+#: (OpenAI routes: the ``custom_params`` body field), with their allowed values.
+OVERRIDE_TOP_K = "dd_top_k"
+OVERRIDE_SELECTOR = "dd_selector"
+TOP_K_RANGE = (1, 1_000_000)
+
+
+def request_overrides(custom_params, selectors: tuple[str, ...]) -> dict:
+    """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str}`` (keys present only).
+
+    Args:
+        custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None).
+        selectors: the allowed selector names.
+
+    Raises:
+        ValueError: an override has the wrong type or is out of range; the message names
+            the field and the allowed values. SGLang turns it into an HTTP 400 before the
+            request is queued (``patches/sampling_sampling_params.py``).
+    """
+    out: dict = {}
+    if not isinstance(custom_params, dict):
+        return out
+    if OVERRIDE_TOP_K in custom_params:
+        v = custom_params[OVERRIDE_TOP_K]
+        lo, hi = TOP_K_RANGE
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"custom_params.{OVERRIDE_TOP_K} must be an integer in [{lo}, {hi}], got {v!r}")
+        out["top_k"] = v
+    if OVERRIDE_SELECTOR in custom_params:
+        v = custom_params[OVERRIDE_SELECTOR]
+        if v not in selectors:
+            raise ValueError(f"custom_params.{OVERRIDE_SELECTOR} must be one of {list(selectors)}, got {v!r}")
+        out["selector"] = v
+    return out

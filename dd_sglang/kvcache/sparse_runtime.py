@@ -51,7 +51,7 @@ import torch
 
 from dd_sglang.kvcache.dualpath import DualPath, PathState
 from dd_sglang.kvcache.host_pool import HostSparseKVPool
-from dd_sglang.kvcache.params import SparseParams
+from dd_sglang.kvcache.params import SparseParams, request_overrides
 
 logger = logging.getLogger(__name__)
 S = PathState
@@ -75,6 +75,10 @@ class SparseRequest:
             (the sinks and the ``n_keep`` important tokens).
         win_start: positions ``[win_start, kv end)`` are resident (the window).
         released: the device slots outside the resident set have been given up.
+        top_k, selector: this request's critical-set size and selector (the preset's, or the
+            request's ``custom_params`` overrides).
+        prefetched: host layer -> ``[num_kv_heads, k]`` int64 host-tier positions chosen
+            during the previous step for the next one (lookahead selectors).
     """
 
     rid: str
@@ -86,6 +90,9 @@ class SparseRequest:
     win_start: int = 0
     released: bool = False
     tail_flushed: bool = False
+    top_k: int = 0
+    selector: str = ""
+    prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def device_positions(self, end: int) -> torch.Tensor:
         """Sorted positions ``< end`` whose KV is on the device (int64)."""
@@ -130,6 +137,7 @@ class SparseRuntime:
         req_to_token: ``[max_reqs, max_context_len]`` int32, SGLang's ``ReqToTokenPool.req_to_token``.
         on_transition: ``(src, dst)`` callback for every DualPath transition (metrics).
         on_rebuild: called with the number of tokens each REBUILD loaded back (metrics).
+        selectors: selector names a request may choose with ``custom_params.dd_selector``.
 
     Raises:
         ValueError: the device pool's K and V head sizes differ (the host tier stores one
@@ -144,6 +152,7 @@ class SparseRuntime:
         req_to_token: torch.Tensor,
         on_transition: Callable[[PathState, PathState], None] | None = None,
         on_rebuild: Callable[[int], None] | None = None,
+        selectors: tuple[str, ...] = ("oracle",),
     ):
         v_dim = getattr(device_pool, "v_head_dim", device_pool.head_dim)
         if v_dim != device_pool.head_dim:
@@ -156,6 +165,7 @@ class SparseRuntime:
         self.req_to_token = req_to_token
         self.on_transition = on_transition
         self.on_rebuild = on_rebuild
+        self.selectors = selectors
         self.host = HostSparseKVPool(
             num_layers=len(device_pool.k_buffer),
             num_kv_heads=device_pool.head_num,
@@ -219,7 +229,14 @@ class SparseRuntime:
                 path = DualPath.starting_in(
                     S.REBUILD, req.rid, self.params.min_sparse_len, self.on_transition
                 )
-            st = SparseRequest(req.rid, path)
+            custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+            over = request_overrides(custom, self.selectors)
+            st = SparseRequest(
+                req.rid,
+                path,
+                top_k=over.get("top_k", self.params.top_k),
+                selector=over.get("selector", self.params.selector),
+            )
             self.requests[req.rid] = st
         return st
 

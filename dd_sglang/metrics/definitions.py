@@ -17,7 +17,7 @@ already set (prometheus-client picks its storage at import time).
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 #: DualPath request states (DESIGN.md). Without ``--attention-backend
 #: dualdecoder`` every running request is ``DENSE``; every state is exported
@@ -95,4 +95,27 @@ SPARSE_DECODE_ROWS = Counter(
 HOST_TIER_REBUILT_TOKENS = Counter(
     "dd_host_tier_rebuilt_tokens",
     "Tokens of finished requests' host-tier KV loaded back to the device as a new request's prefix (REBUILD).",
+)
+PREFETCH_HITS = Counter(
+    "dd_prefetch_hits",
+    "Lookahead selectors: tokens of a step's exact top-k (per layer and KV head) that the set fixed "
+    "one step earlier already held. Hit rate = hits / lookups.",
+    ["selector"],
+)
+PREFETCH_LOOKUPS = Counter(
+    "dd_prefetch_lookups",
+    "Lookahead selectors: critical-set slots checked against the exact top-k (k x KV heads per request and layer).",
+    ["selector"],
+)
+PREFETCH_COLD = Counter(
+    "dd_prefetch_cold",
+    "Lookahead selectors: (request, layer) steps with no set fixed in advance (a request's first sparse step), "
+    "selected from the current query.",
+    ["selector"],
+)
+PREFETCH_LAYER_HIT_RATE = Histogram(
+    "dd_prefetch_layer_hit_rate",
+    "Per-layer prefetch hit rate of one (request, step): hits / (k x KV heads).",
+    ["layer"],
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
 )

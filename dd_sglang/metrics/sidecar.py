@@ -10,7 +10,8 @@ Routes:
   answers 200 within ``health_timeout_s`` seconds; else 503 with the reason.
 * ``GET /stats``: JSON snapshot: the ``dd_`` samples grouped by metric
   (``{"dd_device_kv_used_bytes": [{"labels": {}, "value": 0.0}], ...}``), the
-  SGLang URL, the preset name and the sidecar's uptime in seconds.
+  SGLang URL, the preset name, the sidecar's uptime in seconds, and the running
+  prefetch hit rate per lookahead selector (``prefetch_hit_rate``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ import time
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+
+
+def prefetch_hit_rates(samples: dict) -> dict[str, float]:
+    """Running prefetch hit rate per selector: ``dd_prefetch_hits_total / dd_prefetch_lookups_total``."""
+    hits = {x["labels"].get("selector"): x["value"] for x in samples.get("dd_prefetch_hits_total", [])}
+    out = {}
+    for x in samples.get("dd_prefetch_lookups_total", []):
+        sel = x["labels"].get("selector")
+        if x["value"] > 0:
+            out[sel] = round(hits.get(sel, 0.0) / x["value"], 4)
+    return out
 
 
 def _registry(multiproc_dir: str):
@@ -76,11 +88,13 @@ def create_app(
 
     @app.get("/stats")
     def stats() -> dict:
+        samples = dd_samples(multiproc_dir)
         return {
             "preset": preset,
             "sglang_url": sglang_url,
             "uptime_seconds": round(time.monotonic() - started, 3),
-            "metrics": dd_samples(multiproc_dir),
+            "prefetch_hit_rate": prefetch_hit_rates(samples),
+            "metrics": samples,
         }
 
     return app

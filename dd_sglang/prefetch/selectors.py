@@ -87,9 +87,16 @@ def _check(queries: torch.Tensor, locations: list[torch.Tensor], k: int, host_ke
 
 
 class Selector:
-    """Base class. Subclasses implement :meth:`select` and :meth:`device_aux_bytes`."""
+    """Base class. Subclasses implement :meth:`select` and :meth:`device_aux_bytes`.
+
+    ``lookahead``: False (``oracle``): the set is chosen at attention time from the
+    current query. True: the set for step t+1 is fixed during step t and step t+1
+    attends to it as prefetched; the backend records how much of step t+1's exact
+    top-k it held (the prefetch hit rate).
+    """
 
     name = "base"
+    lookahead = False
 
     def select(
         self,
@@ -140,8 +147,31 @@ class OracleSelector(Selector):
         return 0
 
 
-#: Selectors by preset name. Later issues add spec_host, quest_device, recency.
-SELECTORS: dict[str, type[Selector]] = {OracleSelector.name: OracleSelector}
+class RecencySelector(OracleSelector):
+    """One step ahead, zero state: step t+1 attends to step t's exact top-k (DESIGN.md's baseline).
+
+    During step t the backend scores step t's query against the host-tier keys
+    (exact, as :class:`OracleSelector`) and stores the top-k as the critical set
+    of step t+1 (``lookahead``): the indices for step t+1 are fixed one step
+    ahead, so their K/V can be copied before step t+1 needs it. Positions that
+    enter the host tier between the two steps are not in it. A request's first
+    sparse step has nothing stored yet and selects from its current query (a
+    cold start). Keeps no device state (:meth:`device_aux_bytes` is 0).
+
+    This is also what ``spec_host`` degenerates to without a speculated token
+    (the ``none`` speculator): the speculators of the prediction issue replace
+    step t's query by a speculated token's query for step t+1.
+    """
+
+    name = "recency"
+    lookahead = True
+
+
+#: Selectors by preset name. The prediction issue adds spec_host and quest_device.
+SELECTORS: dict[str, type[Selector]] = {
+    OracleSelector.name: OracleSelector,
+    RecencySelector.name: RecencySelector,
+}
 
 
 def make_selector(name: str) -> Selector:
