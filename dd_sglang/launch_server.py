@@ -277,6 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         port = 0
     if not 1 <= port <= 65535:
         return _fail(f"--port must be an integer in 1..65535, got {raw_port!r}")
+    if flag_value(full_argv, "--attention-backend") == "dualdecoder":
+        from dd_sglang.kvcache.host_pool import host_memory_available_bytes
+
+        need, have = cfg.sparse.host_tier_bytes, host_memory_available_bytes()
+        if need > have:
+            return _fail(
+                f"sparse.host_tier_bytes {need} exceeds the host memory available now ({max(have, 0)} bytes, "
+                "free memory less a 512 MiB margin); lower it in the preset (--dd-config)"
+            )
     m = cfg.metrics
     if m.port == port:
         return _fail(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")

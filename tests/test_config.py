@@ -125,6 +125,19 @@ def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, n
     assert time.monotonic() - t0 < 60
 
 
+def test_launcher_refuses_a_host_tier_larger_than_host_memory(tmp_path):
+    p = tmp_path / "huge.yaml"
+    p.write_text("sparse:\n  host_tier_bytes: 1125899906842624\n")  # 1 PiB
+    r = subprocess.run(
+        [sys.executable, "-m", "dd_sglang.launch_server", "--dd-config", str(p), "--attention-backend",
+         "dualdecoder", "--model-path", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "sparse.host_tier_bytes 1125899906842624 exceeds the host memory available" in r.stderr
+    assert "starting SGLang" not in r.stderr + r.stdout
+
+
 @pytest.mark.parametrize("port", ["99999", "0", "abc"])
 def test_launcher_rejects_bad_sglang_port(port, tmp_path):
     r = subprocess.run(

@@ -118,3 +118,20 @@ def test_double_free_is_caught():
     p.free(a)
     with pytest.raises(AssertionError, match="Double-free"):
         p.free(a)
+
+
+def test_host_memory_check_replaces_sglangs_hicache_reserve(monkeypatch):
+    """SGLang's HostKVCache keeps 10 GiB free; the host tier checks its own size against a 512 MiB margin."""
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+    import dd_sglang.kvcache.host_pool as hp
+
+    assert hasattr(HostKVCache, "_allocate_host_buffer")  # the method the pool overrides
+    monkeypatch.setattr(hp, "host_memory_available_bytes", lambda: 10**6)
+    with pytest.raises(ValueError, match="sparse.host_tier_bytes"):
+        hp.HostSparseKVPool(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32,
+                            capacity_bytes=4 * 10**6, page_size=8)  # fmt: skip
+    monkeypatch.setattr(hp, "host_memory_available_bytes", lambda: 10**7)
+    pool = hp.HostSparseKVPool(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32,
+                               capacity_bytes=4 * 10**6, page_size=8)  # fmt: skip
+    assert pool.capacity_bytes <= 4 * 10**6

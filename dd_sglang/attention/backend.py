@@ -44,6 +44,7 @@ def make_selector_cls(name: str):
     """The selector class registered as ``name`` (``dd_sglang.prefetch.selectors.SELECTORS``)."""
     return SELECTORS[name]
 
+
 __all__ = ["DualDecoderAttnBackend", "SparseParams", "SparseRowPlan", "plan_sparse_row"]
 
 
@@ -264,7 +265,10 @@ class DualDecoderAttnBackend(AttentionBackend):
                             self.on_prefetch(st.selector, host_layer, hits, hkv * k)
                     st.prefetched[host_layer] = p.cand_pos[exact]  # fixed now for the next step
             sel_slots = p.cand_slots[sel]  # [Hkv, k]
-            kc, vc = host_k[sel_slots, heads], host_v[sel_slots, heads]  # [Hkv, k, D]: the critical-set buffer
+            kc, vc = (
+                host_k[sel_slots, heads],
+                host_v[sel_slots, heads],
+            )  # [Hkv, k, D]: the critical-set buffer
             buf_bytes += kc.nbytes + vc.nbytes
             kd = k_buf[p.dev_slots].permute(1, 0, 2).to(kc.device)
             vd = v_buf[p.dev_slots].permute(1, 0, 2).to(kc.device)

@@ -22,8 +22,20 @@ included); ``used_bytes = allocated_slots x bytes_per_token`` with
 
 from __future__ import annotations
 
+import psutil
 import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+#: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
+#: 10 GiB free (``pool_host/base.py``: ``HICACHE_HOST_MEMORY_RESERVE_BYTES``), a margin
+#: sized for GPU hosts; the host tier's size is given explicitly (``host_tier_bytes``),
+#: so a smaller margin applies.
+HOST_MEMORY_MARGIN_BYTES = 512 * 1024**2
+
+
+def host_memory_available_bytes() -> int:
+    """Bytes the host tier may take now: the machine's available memory less the margin."""
+    return int(psutil.virtual_memory().available) - HOST_MEMORY_MARGIN_BYTES
 
 
 class HostSparseKVPool(HostKVCache):
@@ -87,6 +99,25 @@ class HostSparseKVPool(HostKVCache):
             device="cpu",
             host_token_capacity=(usable_pages + 1) * page_size,
         )
+
+    def _allocate_host_buffer(self) -> None:
+        """Check host memory against :data:`HOST_MEMORY_MARGIN_BYTES`, then allocate the buffers.
+
+        Replaces SGLang's check (10 GiB reserve, HiCache wording) for this pool.
+
+        Raises:
+            ValueError: the tier does not fit; the message names ``sparse.host_tier_bytes``.
+        """
+        requested = self.size * self.size_per_token
+        available = host_memory_available_bytes()
+        if requested > available:
+            raise ValueError(
+                f"sparse.host_tier_bytes: the host tier needs {requested} bytes of host memory but only "
+                f"{max(available, 0)} are available (free memory less {HOST_MEMORY_MARGIN_BYTES} B); "
+                "lower sparse.host_tier_bytes in the preset"
+            )
+        self.kv_buffer = self.init_kv_buffer()
+        self.fd = getattr(self.allocator, "fd", None)
 
     # --- geometry and accounting -------------------------------------------------
     def get_size_per_token(self) -> int:
