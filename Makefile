@@ -36,6 +36,7 @@ lint: $(STAMP)
 bench: model
 	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder
 	$(BIN)/python -m bench.capacity
+	$(BIN)/python -m bench.prefetch
 
 clean-model:
 	$(BIN)/python -m dd_sglang.models clean
