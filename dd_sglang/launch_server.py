@@ -280,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     if flag_value(full_argv, "--attention-backend") == "dualdecoder":
         from dd_sglang.kvcache.host_pool import host_memory_available_bytes
 
+        for flag in ("--enable-mixed-chunk", "--enable-hierarchical-cache"):
+            if has_flag(full_argv, flag):
+                return _fail(f"--attention-backend dualdecoder does not support {flag}; drop that flag")
+
         need, have = cfg.sparse.host_tier_bytes, host_memory_available_bytes()
         if need > have:
             return _fail(
@@ -361,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         logger.error("SGLang exited with code %s", rc)
         _stop_group(proc)  # reap anything its processes left behind
+        rc = 1  # SGLang died on its own (a crash, an OOM kill): one code, its own is in the log
     server.should_exit = True
     sidecar.join(timeout=5.0)
     metrics_sock.close()

@@ -241,3 +241,14 @@ def test_dualdecoder_backend_brings_its_radix_cache_and_scheduler_flags():
     gpu = build_sglang_argv(DDConfig(), ["--attention-backend=dualdecoder"], "/m", cpu=False)
     assert "--disable-cuda-graph" in gpu
     assert "--radix-cache-backend" not in build_sglang_argv(DDConfig(), [], "/m", cpu=True)
+
+
+@pytest.mark.parametrize("flag", ["--enable-mixed-chunk", "--enable-hierarchical-cache"])
+def test_launcher_refuses_flags_the_sparse_path_cannot_serve(flag, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "dd_sglang.launch_server", "--attention-backend", "dualdecoder", flag,
+         "--model-path", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert f"--attention-backend dualdecoder does not support {flag}" in r.stderr

@@ -281,3 +281,56 @@ def test_overrides_reach_the_request_state():
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     st = rt.requests["r1"]
     assert st.top_k == 17 and st.selector == "oracle"
+
+
+def test_a_request_finished_in_prefill_still_records_its_path():
+    seen = []
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    rt.on_transition = lambda a, b: seen.append((a.value, b.value))
+    req.finished = lambda: True
+    rt.on_release(req)  # SGLang released it inside process_batch_result; nothing was tracked yet
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert seen == [("PREFILL_FULL", "FINISHED")] and not rt.requests
+
+
+def test_a_tracked_request_released_in_prefill_is_not_counted_twice():
+    seen = []
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    rt.on_transition = lambda a, b: seen.append((a.value, b.value))
+    req.output_ids = []  # a middle chunk: tracked, not offloaded
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    req.finished = lambda: True  # aborted at its last chunk
+    rt.on_release(req)
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert seen == [("PREFILL_FULL", "FINISHED")]
+
+
+def test_offload_is_retried_only_when_the_host_tier_has_room_again():
+    p = params(host_tier_bytes=(10 + 1) * 8 * PER_TOKEN, min_sparse_len=50)  # 80 tokens: too small for 100
+    rt, pool, alloc, r2t, req, tree, *_ = setup(p)
+    seen = []
+    rt.on_transition = lambda a, b: seen.append((a.value, b.value))
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    for _ in range(5):  # dense decode steps: SGLang's own slots, the context keeps growing
+        r2t[2, req.kv.kv_committed_len] = alloc.alloc(1).int()
+        req.kv.kv_committed_len += 1
+        rt.after_decode(SimpleNamespace(reqs=[req]), tree)
+    assert rt.requests["r1"].path.state is PathState.DENSE
+    assert seen == [("PREFILL_FULL", "DENSE")]  # no retry per decode step while nothing was freed
+
+
+def test_identical_finished_requests_keep_one_host_entry():
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    rt.free_request_slots(req.kv, [(0, 100)])
+    rt.on_release(req)
+    used = rt.host.used_bytes
+    # The same prompt again (another row), released: the host keeps one copy.
+    req2 = SimpleNamespace(**{**vars(req), "rid": "r2", "output_ids": [7], "lock": "lock-r2"})
+    req2.kv = SimpleNamespace(**{**vars(req.kv), "req_pool_idx": 3, "cache_protected_len": 100})
+    r2t[3, :100] = r2t[2, :100]
+    r2t[3, :100] = alloc.alloc(100).int()
+    rt.after_extend(SimpleNamespace(reqs=[req2]), tree)
+    rt.free_request_slots(req2.kv, [(0, 100)])
+    rt.on_release(req2)
+    assert len(rt.entries) == 1 and rt.host.used_bytes == used

@@ -93,6 +93,7 @@ class SparseRequest:
     top_k: int = 0
     selector: str = ""
     prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
+    host_free_at_failure: int = -1  # free host slots when an offload last failed (-1: never)
 
     def device_positions(self, end: int) -> torch.Tensor:
         """Sorted positions ``< end`` whose KV is on the device (int64)."""
@@ -181,6 +182,7 @@ class SparseRuntime:
         self._next_entry = 0
         self._rebuilt: set[str] = set()
         self._kv_len: dict[str, int] = {}  # rid -> positions with KV after the last batch
+        self._just_released: set[str] = set()  # tracked rids released during the current batch
         # Counters for /stats and the bench (tokens).
         self.offloaded_tokens = 0
         self.rebuilt_tokens = 0
@@ -248,7 +250,18 @@ class SparseRuntime:
         """
         before = self.reclaimed_slots
         for req in batch.reqs:
-            if req.finished() or not req.kv.holds_kv:
+            if req.finished():
+                # Finished in this prefill (max_tokens=1, an immediate stop, an abort): SGLang has
+                # already released it; record its path so the transition metrics see it.
+                if req.rid not in self.requests and req.rid not in self._just_released:
+                    path = self._path_for(req).path
+                    self.requests.pop(req.rid, None)
+                    self._rebuilt.discard(req.rid)
+                    if path.state is S.REBUILD:
+                        path.to(S.PREFILL_FULL)
+                    path.to(S.FINISHED)
+                continue
+            if not req.kv.holds_kv:
                 continue
             st = self._path_for(req)
             if st.path.state is S.REBUILD:
@@ -258,6 +271,7 @@ class SparseRuntime:
             self._kv_len[req.rid] = int(req.kv.kv_committed_len)
             if st.path.state is S.PREFILL_FULL:
                 self.offload(req, st, tree_cache)
+        self._just_released.clear()
         return self.reclaimed_slots - before
 
     def after_decode(self, batch, tree_cache) -> int:
@@ -276,12 +290,17 @@ class SparseRuntime:
             self._kv_len[req.rid] = kv_len
             if st.path.state is S.DECODE_SPARSE:
                 self._flush_and_slide(req, st, kv_len)
-            elif st.path.state is S.DENSE and st.path.wants_sparse(kv_len):
+            elif (
+                st.path.state is S.DENSE
+                and st.path.wants_sparse(kv_len)
+                and self.host.available_size() > st.host_free_at_failure
+            ):
                 st.path.to(S.PREFILL_FULL)
                 self.offload(req, st, tree_cache)
             self.peak_request_device_tokens = max(
                 self.peak_request_device_tokens, self.max_request_device_tokens()
             )
+        self._just_released.clear()
         return self.reclaimed_slots - before
 
     # ------------------------------------------------------------------ host tier
@@ -341,7 +360,10 @@ class SparseRuntime:
         L = int(kv.kv_committed_len)
         row_view = self.req_to_token[pool_idx]
         if not self._ensure_host_capacity(st, L):
-            logger.info("dualdecoder: host tier full, %s stays dense (%d tokens)", req.rid, L)
+            if st.host_free_at_failure < 0:
+                logger.info("dualdecoder: host tier full, %s stays dense (%d tokens)", req.rid, L)
+            # Retried (after decode steps) only once the tier has more free slots than now.
+            st.host_free_at_failure = self.host.available_size()
             st.path.to(S.DENSE)
             return False
         st.path.to(S.OFFLOADING)
@@ -456,6 +478,7 @@ class SparseRuntime:
         self._rebuilt.discard(req.rid)
         if st is None:
             return
+        self._just_released.add(req.rid)
         if st.pool_idx is not None and self.by_pool.get(st.pool_idx) is st:
             del self.by_pool[st.pool_idx]
         if st.host_slots.numel():
@@ -463,9 +486,10 @@ class SparseRuntime:
             if n > 0:
                 ids = list(req.origin_input_ids) + list(req.output_ids)
                 tokens = torch.tensor(ids[:n], dtype=torch.int64)
-                if tokens.numel() == n:
+                namespace = (req.extra_key, req.cache_salt)
+                if tokens.numel() == n and self._keep_entry(tokens, namespace):
                     self.entries[self._next_entry] = HostEntry(
-                        tokens, st.host_slots[:n], st.host_slots, (req.extra_key, req.cache_salt)
+                        tokens, st.host_slots[:n], st.host_slots, namespace
                     )
                     self._next_entry += 1
                 else:
@@ -473,6 +497,26 @@ class SparseRuntime:
             else:
                 self.host.free(st.host_slots)
         st.path.to(S.FINISHED)
+
+    def _keep_entry(self, tokens: torch.Tensor, namespace: tuple) -> bool:
+        """Deduplicate the host prefix cache before adding ``tokens``.
+
+        An existing entry that already holds all of ``tokens`` makes the new one
+        redundant (False; the existing entry becomes most recently used). Existing
+        entries that are prefixes of ``tokens`` are dropped: the new entry serves them.
+        """
+        for eid, e in list(self.entries.items()):
+            if e.namespace != namespace:
+                continue
+            m = min(e.tokens.numel(), tokens.numel())
+            if not torch.equal(e.tokens[:m], tokens[:m]):
+                continue
+            if e.tokens.numel() >= tokens.numel():
+                self.entries.move_to_end(eid)
+                return False
+            del self.entries[eid]
+            self.host.free(e.owned)
+        return True
 
     def reset(self) -> None:
         """Drop every host prefix entry (SGLang's ``/flush_cache``; only called with no running request)."""
