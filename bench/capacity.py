@@ -39,16 +39,7 @@ from pathlib import Path
 import httpx
 
 from bench.prompts import passkey_prompt
-from bench.server import start_server
-
-
-def _dd(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("dd_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+from bench.server import scrape, start_server
 
 
 def run_backend(backend: str, prompts: list[tuple[str, int, int]], args) -> dict:
@@ -61,7 +52,7 @@ def run_backend(backend: str, prompts: list[tuple[str, int, int]], args) -> dict
 
     def sample():
         while not done.is_set():
-            samples.append((time.monotonic(), _dd(srv.metrics_url)))
+            samples.append((time.monotonic(), scrape(srv.metrics_url)))
             time.sleep(0.2)
 
     def run(i: int, prompt: str, key: int):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import start_server
+from bench.server import scrape, start_server
 
 
 def corpus_text() -> str:
@@ -45,15 +45,6 @@ def corpus_text() -> str:
             if len(body) == 2 and len(body[1]) > 2000:
                 texts.append(body[1])
     return "\n\n".join(texts)[:200_000]  # ~50k tokens, plenty for 8k contexts
-
-
-def _samples(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("dd_prefetch"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def _delta(after: dict, before: dict, name: str) -> float:
@@ -86,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("greedy", {"temperature": 0}),
                     ("sample_t0.8", {"temperature": 0.8, "top_p": 0.95, "sampling_seed": 1234}),
                 ):
-                    before = _samples(srv.metrics_url)
+                    before = scrape(srv.metrics_url, "dd_prefetch")
                     r = httpx.post(
                         f"{srv.url}/generate",
                         json={
@@ -100,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                         },
                         timeout=3600,
                     ).json()
-                    after = _samples(srv.metrics_url)
+                    after = scrape(srv.metrics_url, "dd_prefetch")
                     sel = f'{{selector="{args.selector}"}}'
                     hits = _delta(after, before, f"dd_prefetch_hits_total{sel}")
                     lookups = _delta(after, before, f"dd_prefetch_lookups_total{sel}")

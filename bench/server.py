@@ -84,6 +84,16 @@ class ServerProcess:
         return rc, alive
 
 
+def scrape(metrics_url: str, prefix: str = "dd_") -> dict[str, float]:
+    """The sidecar's ``/metrics`` samples whose name starts with ``prefix``, keyed by name with labels."""
+    out = {}
+    for line in httpx.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def start_server(
     log_path: Path, max_total_tokens: int, extra_args: list[str] | None = None, timeout: float = 300.0
 ) -> ServerProcess:

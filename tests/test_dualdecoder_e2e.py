@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from bench.prompts import passkey_prompt
-from bench.server import start_server
+from bench.server import scrape, start_server
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
@@ -49,12 +49,7 @@ def dd_server(model_path, tmp_path_factory):
 
 def metrics(srv) -> dict[str, float]:
     """Every ``dd_`` sample of the sidecar's ``/metrics``, by name with labels."""
-    out = {}
-    for line in httpx.get(f"{srv.metrics_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("dd_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape(srv.metrics_url)
 
 
 def transitions(m: dict, src: str, dst: str) -> float:
