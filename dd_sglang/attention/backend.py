@@ -33,17 +33,12 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from dd_sglang.kernels.sparse_decode import sparse_decode_attention
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 from dd_sglang.prefetch.selectors import SELECTORS, OracleSelector
-
-
-def make_selector_cls(name: str):
-    """The selector class registered as ``name`` (``dd_sglang.prefetch.selectors.SELECTORS``)."""
-    return SELECTORS[name]
-
 
 __all__ = ["DualDecoderAttnBackend", "SparseParams", "SparseRowPlan", "plan_sparse_row"]
 
@@ -200,8 +195,6 @@ class DualDecoderAttnBackend(AttentionBackend):
         hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         q2 = q.reshape(-1, hq * d)
         if save_kv_cache and k is not None and v is not None:
-            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
             loc = KVWriteLoc(forward_batch.out_cache_loc, getattr(self.dense, "swa_out_cache_loc", None))
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
         if not self._dense_rows:
@@ -251,7 +244,7 @@ class DualDecoderAttnBackend(AttentionBackend):
                 cs = self._exact.select(q_host[i : i + 1], [p.cand_slots], k, host_k, layer.scaling)
                 exact = cs.positions[0]  # [Hkv, k] indices into the candidates
                 sel = exact
-                if make_selector_cls(st.selector).lookahead:
+                if SELECTORS[st.selector].lookahead:
                     prev = st.prefetched.get(host_layer)
                     if prev is None:
                         if self.on_prefetch is not None:

@@ -186,7 +186,6 @@ class SparseRuntime:
         # Counters for /stats and the bench (tokens).
         self.offloaded_tokens = 0
         self.rebuilt_tokens = 0
-        self.peak_request_device_tokens = 0
         self.critical_buffer_bytes = 0  # set by the attention backend each sparse layer
         self.reclaimed_slots = 0  # device slots given back (freed or left evictable), cumulative
 
@@ -297,9 +296,6 @@ class SparseRuntime:
             ):
                 st.path.to(S.PREFILL_FULL)
                 self.offload(req, st, tree_cache)
-            self.peak_request_device_tokens = max(
-                self.peak_request_device_tokens, self.max_request_device_tokens()
-            )
         self._just_released.clear()
         return self.reclaimed_slots - before
 
@@ -411,7 +407,6 @@ class SparseRuntime:
         self.offloaded_tokens += L
         self.reclaimed_slots += L - int(resident.numel())
         st.path.to(S.DECODE_SPARSE)
-        self.peak_request_device_tokens = max(self.peak_request_device_tokens, st.device_tokens(L))
         return True
 
     def _flush_and_slide(self, req, st: SparseRequest, kv_len: int) -> None:
