@@ -6,7 +6,7 @@ Interface (every selector, one layer at a time)::
 
 * ``queries``: ``shape: [num_reqs, num_q_heads, head_dim]``, the queries that
   drive selection (the current token's for ``oracle``; a speculated token's
-  for the predictive selectors of the prediction issue).
+  for the lookahead selectors).
 * ``locations``: one tensor per request, ``shape: [n_r], dtype: torch.int64``,
   the host-tier slots of the request's candidate tokens (its host-tier tokens
   outside the resident set), in position order.
@@ -97,6 +97,7 @@ class Selector:
 
     name = "base"
     lookahead = False
+    uses_speculator = False
 
     def select(
         self,
@@ -151,26 +152,148 @@ class RecencySelector(OracleSelector):
     """One step ahead, zero state: step t+1 attends to step t's exact top-k (DESIGN.md's baseline).
 
     During step t the backend scores step t's query against the host-tier keys
-    (exact, as :class:`OracleSelector`) and stores the top-k as the critical set
-    of step t+1 (``lookahead``): the indices for step t+1 are fixed one step
-    ahead, so their K/V can be copied before step t+1 needs it. Positions that
-    enter the host tier between the two steps are not in it. A request's first
-    sparse step has nothing stored yet and selects from its current query (a
-    cold start). Keeps no device state (:meth:`device_aux_bytes` is 0).
-
-    This is also what ``spec_host`` degenerates to without a speculated token
-    (the ``none`` speculator): the speculators of the prediction issue replace
-    step t's query by a speculated token's query for step t+1.
+    (exact, as :class:`OracleSelector`, on the schedule's select worker) and
+    stores the top-k as the critical set of step t+1 (``lookahead``): the indices
+    for step t+1 are fixed one step ahead, so their K/V is copied while step
+    t+1's earlier layers compute. Positions that enter the host tier between the
+    two steps are not in it. A request's first sparse step has nothing stored
+    yet and selects from its current query (a cold start). Ignores the
+    speculator. Keeps no device state (:meth:`device_aux_bytes` is 0).
     """
 
     name = "recency"
     lookahead = True
+    uses_speculator = False
 
 
-#: Selectors by preset name. The prediction issue adds spec_host and quest_device.
+class SpecHostSelector(OracleSelector):
+    """One step ahead from the speculated token: exact scores of its query against host-tier keys.
+
+    During step t, layer l, the second query position (the speculated token
+    ``x̂_{t+1}``, :mod:`dd_sglang.prefetch.speculators`) is scored against every
+    candidate key *in the host tier* (full keys, the same GQA max-over-group
+    softmax as :class:`OracleSelector`), on the schedule's select worker, off
+    the forward thread; the top-k becomes step t+1's critical set for layer l.
+    Without a speculated token (speculator ``none``, or no proposal this step) it
+    scores the current query, which makes it :class:`RecencySelector`.
+
+    It scores full host keys, not page summaries: the host tier holds them
+    anyway, so exactness costs host compute only (off the forward thread), and
+    the recall lost to summaries is what ``quest_device`` measures beside it
+    (``bench/prefetch.py``). No byte of selection state lives on the device:
+    :meth:`device_aux_bytes` is 0; the index lists it returns are the only thing
+    the device sees.
+    """
+
+    name = "spec_host"
+    lookahead = True
+    uses_speculator = True
+
+
+def quest_page_summaries(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's per-page key summaries (Tang et al., "Quest", ICML 2024, section 3).
+
+    Args:
+        keys: ``[n, num_kv_heads, head_dim]``, a request's candidate keys in position order.
+        page_size: tokens per page; pages are consecutive runs of ``page_size`` candidates (the
+            last may be partial).
+
+    Returns:
+        ``(mins, maxs)``, each ``[ceil(n / page_size), num_kv_heads, head_dim]`` in ``keys.dtype``:
+        the element-wise min and max of each page's keys.
+    """
+    n, hkv, d = keys.shape
+    n_pages = -(-n // page_size)
+    pad = n_pages * page_size - n
+    k = keys
+    if pad:
+        k = torch.cat([keys, keys[-1:].expand(pad, hkv, d)])  # repeating a real key leaves min/max unchanged
+    k = k.view(n_pages, page_size, hkv, d)
+    return k.amin(dim=1), k.amax(dim=1)
+
+
+def quest_select(query: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, n: int, k: int,
+                 page_size: int) -> torch.Tensor:  # fmt: skip
+    """Quest's selection: pages by their upper-bound score, then their tokens, ``k`` per KV head.
+
+    A page's score for query head ``h`` is ``sum_d max(q_d * min_d, q_d * max_d)`` (an upper
+    bound of ``q . k`` over the page, Quest eq. 1); a KV head takes the max over its GQA group.
+
+    Args:
+        query: ``[num_q_heads, head_dim]``.
+        mins, maxs: ``[n_pages, num_kv_heads, head_dim]`` (:func:`quest_page_summaries`).
+        n: number of candidates (``k < n``).
+        k: tokens per KV head.
+        page_size: tokens per page.
+
+    Returns:
+        ``[num_kv_heads, k]`` int64 candidate indices: the best pages' tokens, page by page.
+    """
+    hq, d = query.shape
+    n_pages, hkv, _ = mins.shape
+    qg = query.float().view(hkv, hq // hkv, 1, d)
+    lo = mins.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, P, D]
+    hi = maxs.float().permute(1, 0, 2).unsqueeze(1)
+    score = torch.maximum(qg * lo, qg * hi).sum(-1).amax(dim=1)  # [Hkv, P]
+    order = score.argsort(dim=1, descending=True)
+    tok = (order.unsqueeze(-1) * page_size + torch.arange(page_size, device=order.device)).reshape(hkv, -1)
+    return tok[tok < n].view(hkv, n)[:, :k]
+
+
+class QuestDeviceSelector(Selector):
+    """Quest (current query, page min/max key summaries kept on the device): the device-state baseline.
+
+    Per request and layer the backend keeps :func:`quest_page_summaries` of the
+    candidate keys on the device and extends them as pages are flushed to the
+    host tier; at attention time the current query picks pages with
+    :func:`quest_select` and their tokens are gathered synchronously (no
+    lookahead). Device-resident auxiliary bytes per request and layer:
+    ``2 x n_pages x num_kv_heads x head_dim x dtype`` (Quest's "6.25% of KV" at
+    page 16 for K only; here ``2 / page_size`` of the K bytes), reported by
+    :meth:`device_aux_bytes` from the summaries actually held.
+    """
+
+    name = "quest_device"
+    lookahead = False
+
+    #: Quest's page size (tokens per summary), the paper's default.
+    PAGE_SIZE = 16
+
+    def __init__(self, page_size: int = PAGE_SIZE):
+        self.page_size = page_size
+        self.held_bytes = 0
+
+    def select(
+        self,
+        queries: torch.Tensor,
+        locations: list[torch.Tensor],
+        k: int,
+        host_keys: torch.Tensor,
+        scale: float,
+    ) -> CriticalSet:
+        """See the module docstring (summaries built on the fly; the backend keeps them instead)."""
+        _check(queries, locations, k, host_keys)
+        hkv = host_keys.shape[1]
+        positions = torch.zeros(len(locations), hkv, k, dtype=torch.int64)
+        lengths = torch.zeros(len(locations), hkv, dtype=torch.int64)
+        for r, loc in enumerate(locations):
+            n = loc.numel()
+            if n <= k:
+                positions[r, :, :n] = torch.arange(n)
+                lengths[r] = n
+                continue
+            mins, maxs = quest_page_summaries(host_keys.index_select(0, loc), self.page_size)
+            positions[r] = quest_select(queries[r], mins, maxs, n, k, self.page_size)
+            lengths[r] = k
+        return CriticalSet(positions, lengths)
+
+    def device_aux_bytes(self) -> int:
+        return self.held_bytes
+
+
+#: Selectors by preset name.
 SELECTORS: dict[str, type[Selector]] = {
-    OracleSelector.name: OracleSelector,
-    RecencySelector.name: RecencySelector,
+    s.name: s for s in (OracleSelector, SpecHostSelector, QuestDeviceSelector, RecencySelector)
 }
 
 

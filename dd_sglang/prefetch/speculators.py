@@ -1,0 +1,145 @@
+"""Speculators: propose the token after the current one, so its queries can pick step t+1's critical set.
+
+At decode step t a ``DECODE_SPARSE`` request feeds its real token ``x_t`` (position
+``p``). A speculator may add a speculated token ``x̂_{t+1}`` (position ``p + 1``) to
+the *same* forward pass as a second query position of that request (the
+``dualdecoder`` attention backend appends it to the batch; its K/V is never
+written to the KV cache and its logits are cut before sampling,
+``patches/layers_logits_processor.py``). At every layer the second position's
+query is the prediction of step t+1's query at that layer, and the lookahead
+selectors (``spec_host``) score it to fix step t+1's critical set during step t.
+
+Where the speculated token comes from:
+
+* ``dual_token``: the argmax of the second position's logits of step t-1. That
+  position fed ``x̂_t``; when ``x̂_t`` turned out to be the real ``x_t`` (the
+  speculation was *accepted*), its logits are the model's next-token
+  distribution after ``x_t`` (up to the sparse attention the second position
+  uses), and their argmax is the greedy guess of ``x_{t+1}``. When ``x̂_t`` was
+  rejected, or on a request's first sparse step, it falls back to ``ngram``;
+  with no n-gram match either, no token rides along.
+* ``ngram``: prompt lookup (Saxena, "Prompt Lookup Decoding", 2023; the idea of
+  SGLang's NGRAM speculative algorithm): the token that followed the most
+  recent earlier occurrence of the longest suffix of the context, for suffix
+  lengths :data:`NGRAM_MAX` down to 1. None when no suffix recurs.
+* ``none``: never a second position; lookahead selectors use the current
+  token's query (DESIGN.md's zero-knowledge baseline, equal to ``recency``).
+
+Acceptance (``x̂_t == x_t``) is counted per step (``dd_spec_proposed_total`` /
+``dd_spec_accepted_total``). An accepted speculation would be a free extra
+token if its logits were verified like SGLang's target-verify pass does; this
+code does not emit it (the second position attends sparsely, so its logits
+are not exactly the dense model's), it only measures the acceptance rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: Longest suffix (tokens) ``ngram`` looks up.
+NGRAM_MAX = 3
+
+
+@dataclass
+class SpecState:
+    """Per-request speculation state (kept on the request's ``SparseRequest.spec``).
+
+    Attributes:
+        riding: the token that rode as the second position in the last step (None: none did).
+        argmax: argmax of that position's logits (a guess for the token after the next one).
+        index: n-gram -> position after its most recent occurrence, over ``history[:indexed]``.
+        indexed: how many history tokens ``index`` covers.
+        proposed, accepted: steps with a verifiable speculation, and those whose speculation
+            equalled the real token.
+    """
+
+    riding: int | None = None
+    argmax: int | None = None
+    index: dict = field(default_factory=dict)
+    indexed: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+def ngram_propose(history: Sequence[int], state: SpecState, max_n: int = NGRAM_MAX) -> int | None:
+    """Prompt lookup: the token after the latest earlier occurrence of the longest recurring suffix.
+
+    Args:
+        history: the request's token ids so far (prompt then output; ``history[-1]`` is the
+            current token).
+        state: its :class:`SpecState`; ``index`` is extended incrementally (amortised O(1) per
+            new token, O(len(history)) the first time).
+        max_n: longest suffix tried.
+
+    Returns:
+        A token id, or None when no suffix of length ``1..max_n`` occurred earlier.
+    """
+    n_hist = len(history)
+    # Index every n-gram that ends strictly before the current token (so the token after it is known).
+    for end in range(max(state.indexed, 1), n_hist):
+        for n in range(1, max_n + 1):
+            if end - n < 0:
+                break
+            state.index[tuple(history[end - n : end])] = end
+    state.indexed = max(state.indexed, n_hist)
+    for n in range(min(max_n, n_hist), 0, -1):
+        nxt = state.index.get(tuple(history[n_hist - n :]))
+        if nxt is not None and nxt < n_hist:
+            return int(history[nxt])
+    return None
+
+
+class Speculator:
+    """Base class: :meth:`propose` gives the token to ride as step t's second position."""
+
+    name = "base"
+
+    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
+        raise NotImplementedError
+
+
+class NoSpeculator(Speculator):
+    """No second position: lookahead selectors use the current query."""
+
+    name = "none"
+
+    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
+        return None
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup (:func:`ngram_propose`)."""
+
+    name = "ngram"
+
+    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
+        return ngram_propose(history, state)
+
+
+class DualTokenSpeculator(Speculator):
+    """The previous step's second-position argmax when that speculation was accepted, else ``ngram``."""
+
+    name = "dual_token"
+
+    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
+        accepted = state.riding is not None and state.riding == history[-1]
+        if accepted and state.argmax is not None:
+            return state.argmax
+        return ngram_propose(history, state)
+
+
+#: Speculators by preset name.
+SPECULATORS: dict[str, type[Speculator]] = {
+    s.name: s for s in (DualTokenSpeculator, NgramSpeculator, NoSpeculator)
+}
+
+
+def verify(state: SpecState, token: int) -> bool | None:
+    """Count whether the token that rode last step was the real one; None when none rode."""
+    if state.riding is None:
+        return None
+    state.proposed += 1
+    ok = state.riding == token
+    state.accepted += int(ok)
+    return ok

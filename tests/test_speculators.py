@@ -1,0 +1,61 @@
+"""Speculators: prompt lookup against hand-worked histories, dual_token's accept/fallback rule, counting."""
+
+from __future__ import annotations
+
+from dd_sglang.prefetch.speculators import (
+    SPECULATORS,
+    DualTokenSpeculator,
+    NgramSpeculator,
+    NoSpeculator,
+    SpecState,
+    ngram_propose,
+    verify,
+)
+
+
+def test_names():
+    assert set(SPECULATORS) == {"dual_token", "ngram", "none"}
+
+
+def test_ngram_takes_the_longest_recurring_suffix_most_recent_first():
+    # ... 5 6 7 [8] ... 9 6 7 [1] ... 6 7 -> the trigram "x 6 7" does not recur; the bigram "6 7"
+    # last occurred before 1.
+    h = [5, 6, 7, 8, 2, 9, 6, 7, 1, 3, 6, 7]
+    assert ngram_propose(h, SpecState()) == 1
+    # Trigram wins over a more recent bigram: "9 6 7" was followed by 1, "6 7" more recently by 4.
+    h = [9, 6, 7, 1, 6, 7, 4, 9, 6, 7]
+    assert ngram_propose(h, SpecState()) == 1
+
+
+def test_ngram_none_without_recurrence_and_incremental_index():
+    st = SpecState()
+    assert ngram_propose([1, 2, 3], st) is None
+    assert st.indexed == 3
+    # Growing the same history reuses the index; result equals a fresh computation.
+    h = [1, 2, 3, 4, 2]
+    assert ngram_propose(h, st) == 3 == ngram_propose(h, SpecState())
+
+
+def test_dual_token_uses_the_argmax_only_after_an_accepted_speculation():
+    spec = DualTokenSpeculator()
+    st = SpecState(riding=42, argmax=77)
+    assert spec.propose([1, 2, 42], st) == 77  # 42 rode along and was the real token
+    st = SpecState(riding=41, argmax=77)
+    assert spec.propose([5, 9, 1, 5, 42], st) is None  # rejected, and no n-gram recurs
+    st = SpecState(riding=41, argmax=77)
+    assert spec.propose([5, 9, 1, 5], st) == 9  # rejected: prompt lookup ("5" was followed by 9)
+
+
+def test_none_and_ngram_speculators():
+    assert NoSpeculator().propose([1, 2, 1], SpecState()) is None
+    assert NgramSpeculator().propose([1, 2, 1], SpecState()) == 2
+
+
+def test_verify_counts_acceptance():
+    st = SpecState()
+    assert verify(st, 5) is None and st.proposed == 0
+    st.riding = 5
+    assert verify(st, 5) is True
+    st.riding = 6
+    assert verify(st, 5) is False
+    assert (st.proposed, st.accepted) == (2, 1)
