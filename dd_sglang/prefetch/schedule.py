@@ -1,0 +1,237 @@
+"""Layer-aware transfer schedule: layer l's critical-set K/V is copied while earlier layers compute.
+
+The critical set of decode step t+1 is fixed during step t (lookahead
+selectors, :mod:`dd_sglang.prefetch.selectors`). Step t+1 then runs:
+
+1. :meth:`TransferSchedule.begin_step` (the attention backend's
+   ``init_forward_metadata``): waits until step t's selection jobs are done
+   (they run on the *select worker*, off the forward thread), then queues the
+   copies of layers ``0 .. w`` (``w`` = prefetch depth) on the *copy worker*.
+2. Layer l's attention calls :meth:`TransferSchedule.wait` ``(l)``: it blocks
+   only until layer l's copy is done (one event per layer), and records how long
+   it blocked (the *exposed* wait, exported as ``dd_transfer_wait_seconds``).
+3. When layer l's attention has consumed its slot it calls
+   :meth:`TransferSchedule.done` ``(l)``, which queues layer ``l + w + 1``'s copy
+   into the slot just freed. So layer l's copy is queued after layer
+   ``l - w - 1``'s attention and runs while layers ``l - w .. l - 1`` compute;
+   the slots in use never exceed ``w + 1`` (the
+   :class:`~dd_sglang.kvcache.layer_buffers.LayerRingBuffer`).
+4. During step t+1, each lookahead layer queues the selection of step t+2's
+   set for that layer (:meth:`TransferSchedule.submit_select`).
+
+Workers: on every platform, two daemon threads (copy, select) fed by FIFO
+queues. PyTorch releases the GIL inside its ops, so on a CPU the gathers and
+the forward's layers really run at once (2 cores here). On CUDA the copy
+worker additionally issues the host-to-device copy on its own stream and
+records a CUDA event per layer; :meth:`wait` makes the compute stream wait on
+it (SGLang's ``LayerDoneCounter`` pattern in HiCache). The CUDA branch has not
+run on a GPU.
+
+Every layer's timestamps (``time.perf_counter`` seconds) are kept for the last
+step (:attr:`TransferSchedule.last_step`): copy start/end and wait start/end,
+so the overlap (copy time that did not appear as wait) is computed from
+recorded times, not inferred from throughput.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
+
+
+@dataclass
+class LayerTiming:
+    """One layer's transfer in one step (``time.perf_counter`` seconds).
+
+    ``hidden_s`` is the part of the copy that ran before attention started waiting for it:
+    copy time that did not appear as wait.
+    """
+
+    layer: int
+    queued: float = 0.0
+    copy_start: float = 0.0
+    copy_end: float = 0.0
+    wait_start: float = 0.0
+    wait_end: float = 0.0
+
+    @property
+    def copy_s(self) -> float:
+        return self.copy_end - self.copy_start
+
+    @property
+    def wait_s(self) -> float:
+        return self.wait_end - self.wait_start
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, min(self.copy_end, self.wait_start) - self.copy_start)
+
+
+class _Worker:
+    """A daemon thread running callables from a FIFO queue; errors are kept for the caller."""
+
+    def __init__(self, name: str):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0
+        self.cv = threading.Condition()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self.q.get()
+            try:
+                fn()
+            except BaseException as e:  # reported to the forward thread at its next wait
+                self.error = e
+            with self.cv:
+                self.pending -= 1
+                self.cv.notify_all()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self.cv:
+            self.pending += 1
+        self.q.put(fn)
+
+    def drain(self) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.pending == 0)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RuntimeError("dualdecoder transfer worker failed") from e
+
+
+class TransferSchedule:
+    """Per-layer copies of the critical set, ``depth`` layers ahead of attention (see module docstring).
+
+    Args:
+        ring: the :class:`LayerRingBuffer` whose slots the copies fill (its depth is the
+            prefetch depth ``w``).
+        on_step: called with a finished step's :class:`LayerTiming` list (the plugin exports
+            ``dd_transfer_wait_seconds``, ``dd_transfer_copy_seconds`` and the hidden copy time).
+    """
+
+    def __init__(
+        self,
+        ring: LayerRingBuffer,
+        on_step: Callable[[list[LayerTiming]], None] | None = None,
+    ):
+        self.ring = ring
+        self.depth = ring.depth
+        self.on_step = on_step
+        self._copy = _Worker("dd-copy")
+        self._select = _Worker("dd-select")
+        self._cuda = ring.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=ring.device) if self._cuda else None
+        self._gather: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self._layers: list[int] = []
+        self._done_evt: dict[int, threading.Event] = {}
+        self._cuda_evt: dict[int, object] = {}
+        self._timing: dict[int, LayerTiming] = {}
+        self._next = 0
+        #: Timings of the last finished step, in layer order.
+        self.last_step: list[LayerTiming] = []
+
+    # ------------------------------------------------------------------ step
+    def begin_step(
+        self, layers: list[int], gather: Callable[[int, torch.Tensor, torch.Tensor], None]
+    ) -> None:
+        """Start a step whose ``layers`` (in execution order) read prefetched K/V.
+
+        ``gather(layer, k_slot, v_slot)`` fills the ring slot of ``layer`` (called on the copy
+        worker). Waits for the previous step's selection jobs first: they fix the indices
+        these copies read.
+        """
+        self.end_step()
+        self._select.drain()
+        self._gather = gather
+        self._layers = list(layers)
+        self._next = 0
+        for _ in range(min(self.depth + 1, len(self._layers))):
+            self._queue_next()
+
+    def _queue_next(self) -> None:
+        if self._next >= len(self._layers):
+            return
+        layer = self._layers[self._next]
+        self._next += 1
+        evt = threading.Event()
+        t = LayerTiming(layer, queued=time.perf_counter())
+        self._done_evt[layer] = evt
+        self._timing[layer] = t
+        k_slot, v_slot = self.ring.slot(layer)
+        gather = self._gather
+
+        def job() -> None:
+            t.copy_start = time.perf_counter()
+            try:
+                if self._cuda:
+                    with torch.cuda.stream(self._stream):
+                        gather(layer, k_slot, v_slot)
+                        ev = torch.cuda.Event()
+                        ev.record(self._stream)
+                        self._cuda_evt[layer] = ev
+                else:
+                    gather(layer, k_slot, v_slot)
+            finally:
+                t.copy_end = time.perf_counter()
+                evt.set()
+
+        self._copy.submit(job)
+
+    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until ``layer``'s copy is done; returns its ring slot ``(k, v)`` views.
+
+        Raises:
+            KeyError: ``layer`` was not queued in this step.
+            RuntimeError: the copy failed (the worker's exception is chained).
+        """
+        t = self._timing[layer]
+        t.wait_start = time.perf_counter()
+        self._done_evt[layer].wait()
+        self._copy.raise_error()
+        ev = self._cuda_evt.pop(layer, None)
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+        t.wait_end = time.perf_counter()
+        return self.ring.slot(layer)
+
+    def done(self, layer: int) -> None:
+        """``layer``'s slot has been consumed: queue the copy that reuses it; after the step's last
+        layer, finish the step (its timings are reported then)."""
+        self._queue_next()
+        if self._layers and layer == self._layers[-1]:
+            self.end_step()
+
+    def end_step(self) -> None:
+        """Wait for queued copies (also those no layer waited for) and keep the step's timings."""
+        if not self._timing:
+            return
+        for evt in self._done_evt.values():
+            evt.wait()
+        self._copy.raise_error()
+        self.last_step = sorted(self._timing.values(), key=lambda t: t.layer)
+        self._timing, self._done_evt, self._cuda_evt = {}, {}, {}
+        self._layers, self._next = [], 0
+        if self.on_step is not None:
+            self.on_step(self.last_step)
+
+    # ------------------------------------------------------------------ selection
+    def submit_select(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a next-step selection) on the select worker."""
+        self._select.submit(fn)
+
+    def drain_select(self) -> None:
+        """Wait for every queued selection job (re-raises a failure)."""
+        self._select.drain()
