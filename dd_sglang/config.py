@@ -90,9 +90,12 @@ class SparseSection(_Strict):
     ``n_keep`` more tokens ranked by ``keep_signal`` (``key_norm``: the key's L2
     norm summed over layers and KV heads). Each decode step then attends, per
     layer and KV head, to the resident set plus ``top_k`` host-tier tokens chosen
-    by ``selector``: ``oracle`` (exact top-k of the current query, chosen at
-    attention time) or ``recency`` (exact top-k of the previous step's query,
-    fixed one step ahead; its prefetch hit rate is exported). A request may
+    by ``selector``: ``oracle`` (exact top-k of the current query over every host
+    key, chosen at attention time: a reference), ``spec_host`` (exact scores of
+    the speculated token's query in the host tier, fixed one step ahead; see
+    ``prefetch``), ``quest_device`` (Quest's page min/max key summaries kept on
+    the device, current query) or ``recency`` (the previous step's exact top-k,
+    fixed one step ahead). A request may
     override ``top_k`` and ``selector`` through ``custom_params``
     (``dd_top_k``, ``dd_selector``).
     """
@@ -105,7 +108,31 @@ class SparseSection(_Strict):
     keep_signal: Literal["key_norm"] = "key_norm"
     page_size: int = Field(64, ge=1, le=65_536)
     host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
-    selector: Literal["oracle", "recency"] = "oracle"
+    selector: Literal["oracle", "spec_host", "quest_device", "recency"] = "spec_host"
+
+
+class PrefetchSection(_Strict):
+    """How step t+1's critical set is predicted during step t and moved while layers compute.
+
+    ``speculator`` proposes the token after the current one; it rides in the same
+    forward pass as a second query position whose per-layer queries drive the
+    ``spec_host`` selector (``dual_token``: the previous second position's argmax
+    when it was accepted, else prompt lookup; ``ngram``: prompt lookup; ``none``:
+    the current query). The lookahead selectors' K/V for layer l is copied from
+    the host tier while layers ``l - depth .. l - 1`` compute, into a ring of
+    ``depth + 1`` layer buffers. ``miss_policy``: ``use_prefetched`` attends over
+    what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
+    layer and KV head synchronously when the speculated token was rejected.
+    ``hit_rate_sample`` is the fraction of steps whose hit rate is measured
+    against the exact top-k. A request may override ``speculator`` through
+    ``custom_params.dd_speculator``.
+    """
+
+    speculator: Literal["dual_token", "ngram", "none"] = "dual_token"
+    depth: int = Field(2, ge=0, le=64)
+    miss_policy: Literal["use_prefetched", "repair"] = "use_prefetched"
+    repair_budget: int = Field(32, ge=1, le=1_000_000)
+    hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
 
 
 class DDConfig(_Strict):
@@ -122,6 +149,7 @@ class DDConfig(_Strict):
     server: ServerSection = Field(default_factory=ServerSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     sparse: SparseSection = Field(default_factory=SparseSection)
+    prefetch: PrefetchSection = Field(default_factory=PrefetchSection)
 
 
 def _format_error(err: ValidationError, source: str) -> str:

@@ -28,6 +28,7 @@ MODULES = (
     "patches.layers_attention_attention_registry",
     "patches.mem_cache_registry",
     "patches.sampling_sampling_params",
+    "patches.layers_logits_processor",
 )
 
 

@@ -28,9 +28,9 @@ def create_dualdecoder_backend(runner):
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.platforms import current_platform
 
-    from dd_sglang.attention.backend import DualDecoderAttnBackend, SparseParams
+    from dd_sglang.attention.backend import DualDecoderAttnBackend, PrefetchParams, SparseParams
     from dd_sglang.kvcache import sparse_runtime
-    from dd_sglang.metrics.definitions import SPARSE_DECODE_ROWS
+    from dd_sglang.metrics.backend_events import MetricsEvents
     from dd_sglang.plugin.runtime import current_config
 
     if getattr(runner.server_args, "enable_mixed_chunk", False):
@@ -38,27 +38,16 @@ def create_dualdecoder_backend(runner):
             "--attention-backend dualdecoder does not support --enable-mixed-chunk; drop that flag"
         )
     dense = ATTENTION_BACKENDS[current_platform.get_default_attention_backend()](runner)
-    params = SparseParams(**current_config().sparse.model_dump())
+    cfg = current_config()
     return DualDecoderAttnBackend(
         dense,
         runner.token_to_kv_pool,
         runner.req_to_token_pool.req_to_token,
-        params,
+        SparseParams(**cfg.sparse.model_dump()),
         sparse_runtime.current,
-        SPARSE_DECODE_ROWS.inc,
-        _count_prefetch,
+        PrefetchParams(**cfg.prefetch.model_dump()),
+        MetricsEvents(),
     )
-
-
-def _count_prefetch(selector: str, layer: int, hits: int | None, lookups: int | None) -> None:
-    from dd_sglang.metrics import definitions as m
-
-    if hits is None:
-        m.PREFETCH_COLD.labels(selector=selector).inc()
-        return
-    m.PREFETCH_HITS.labels(selector=selector).inc(hits)
-    m.PREFETCH_LOOKUPS.labels(selector=selector).inc(lookups)
-    m.PREFETCH_LAYER_HIT_RATE.labels(layer=str(layer)).observe(hits / lookups)
 
 
 def register_attention_backend() -> None:

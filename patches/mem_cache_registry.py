@@ -53,6 +53,7 @@ def create_dualdecoder_radix_cache(ctx):
     from dd_sglang.kvcache.radix import DualDecoderRadixCache
     from dd_sglang.plugin.runtime import current_config
     from dd_sglang.prefetch.selectors import SELECTORS
+    from dd_sglang.prefetch.speculators import SPECULATORS
 
     if ctx.enable_hierarchical_cache:
         raise ValueError(
@@ -72,6 +73,8 @@ def create_dualdecoder_radix_cache(ctx):
         on_transition=_count_transition,
         on_rebuild=_count_rebuild,
         selectors=tuple(SELECTORS),
+        speculators=tuple(SPECULATORS),
+        speculator=current_config().prefetch.speculator,
     )
     cache.attach_runtime(runtime)
     sparse_runtime.set_current(runtime)

@@ -46,15 +46,20 @@ class SparseParams:
 #: (OpenAI routes: the ``custom_params`` body field), with their allowed values.
 OVERRIDE_TOP_K = "dd_top_k"
 OVERRIDE_SELECTOR = "dd_selector"
+OVERRIDE_SPECULATOR = "dd_speculator"
+OVERRIDE_MISS_POLICY = "dd_miss_policy"
+MISS_POLICIES = ("use_prefetched", "repair")
 TOP_K_RANGE = (1, 1_000_000)
 
 
-def request_overrides(custom_params, selectors: tuple[str, ...]) -> dict:
-    """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str}`` (keys present only).
+def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tuple[str, ...] = ()) -> dict:
+    """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
+    "miss_policy": str}`` (keys present only).
 
     Args:
         custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None).
         selectors: the allowed selector names.
+        speculators: the allowed speculator names.
 
     Raises:
         ValueError: an override has the wrong type or is out of range; the message names
@@ -75,4 +80,18 @@ def request_overrides(custom_params, selectors: tuple[str, ...]) -> dict:
         if v not in selectors:
             raise ValueError(f"custom_params.{OVERRIDE_SELECTOR} must be one of {list(selectors)}, got {v!r}")
         out["selector"] = v
+    if OVERRIDE_SPECULATOR in custom_params:
+        v = custom_params[OVERRIDE_SPECULATOR]
+        if v not in speculators:
+            raise ValueError(
+                f"custom_params.{OVERRIDE_SPECULATOR} must be one of {list(speculators)}, got {v!r}"
+            )
+        out["speculator"] = v
+    if OVERRIDE_MISS_POLICY in custom_params:
+        v = custom_params[OVERRIDE_MISS_POLICY]
+        if v not in MISS_POLICIES:
+            raise ValueError(
+                f"custom_params.{OVERRIDE_MISS_POLICY} must be one of {list(MISS_POLICIES)}, got {v!r}"
+            )
+        out["miss_policy"] = v
     return out

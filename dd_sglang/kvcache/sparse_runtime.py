@@ -75,10 +75,15 @@ class SparseRequest:
             (the sinks and the ``n_keep`` important tokens).
         win_start: positions ``[win_start, kv end)`` are resident (the window).
         released: the device slots outside the resident set have been given up.
-        top_k, selector: this request's critical-set size and selector (the preset's, or the
-            request's ``custom_params`` overrides).
+        top_k, selector, speculator: this request's critical-set size, selector and
+            speculator (the preset's, or the request's ``custom_params`` overrides).
+        miss_policy: the request's ``dd_miss_policy`` override, or None (the preset's).
         prefetched: host layer -> ``[num_kv_heads, k]`` int64 host-tier positions chosen
-            during the previous step for the next one (lookahead selectors).
+            during the previous step for this one (lookahead selectors).
+        next_prefetched: the same, being chosen during this step for the next one.
+        req: SGLang's ``Req`` (its token ids feed the speculators).
+        spec: the speculator's per-request state (owned by ``dd_sglang.prefetch``).
+        aux: per host layer, device-resident selection state (``quest_device`` page summaries).
     """
 
     rid: str
@@ -92,7 +97,13 @@ class SparseRequest:
     tail_flushed: bool = False
     top_k: int = 0
     selector: str = ""
+    speculator: str = "none"
+    miss_policy: str | None = None
     prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
+    next_prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
+    req: object = None
+    spec: object = None
+    aux: dict = field(default_factory=dict)
     host_free_at_failure: int = -1  # free host slots when an offload last failed (-1: never)
 
     def device_positions(self, end: int) -> torch.Tensor:
@@ -139,6 +150,8 @@ class SparseRuntime:
         on_transition: ``(src, dst)`` callback for every DualPath transition (metrics).
         on_rebuild: called with the number of tokens each REBUILD loaded back (metrics).
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
+        speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
+        speculator: the preset's speculator (``prefetch.speculator``).
 
     Raises:
         ValueError: the device pool's K and V head sizes differ (the host tier stores one
@@ -154,6 +167,8 @@ class SparseRuntime:
         on_transition: Callable[[PathState, PathState], None] | None = None,
         on_rebuild: Callable[[int], None] | None = None,
         selectors: tuple[str, ...] = ("oracle",),
+        speculators: tuple[str, ...] = ("none",),
+        speculator: str = "none",
     ):
         v_dim = getattr(device_pool, "v_head_dim", device_pool.head_dim)
         if v_dim != device_pool.head_dim:
@@ -167,6 +182,8 @@ class SparseRuntime:
         self.on_transition = on_transition
         self.on_rebuild = on_rebuild
         self.selectors = selectors
+        self.speculators = speculators
+        self.speculator = speculator
         self.host = HostSparseKVPool(
             num_layers=len(device_pool.k_buffer),
             num_kv_heads=device_pool.head_num,
@@ -187,6 +204,7 @@ class SparseRuntime:
         self.offloaded_tokens = 0
         self.rebuilt_tokens = 0
         self.critical_buffer_bytes = 0  # set by the attention backend each sparse layer
+        self.ring_buffer_bytes = 0  # the attention backend's layer ring (lookahead selectors)
         self.reclaimed_slots = 0  # device slots given back (freed or left evictable), cumulative
 
     # ------------------------------------------------------------------ lookups
@@ -216,6 +234,15 @@ class SparseRuntime:
             (st.device_tokens(self._kv_end(st)) for st in self.requests.values() if st.released), default=0
         )
 
+    def selector_aux_bytes(self) -> dict[str, int]:
+        """Device bytes of selection state (``SparseRequest.aux``) held by live requests, by selector."""
+        out: dict[str, int] = {}
+        for st in self.requests.values():
+            if st.aux:
+                n = sum(t.nbytes for ts in st.aux.values() for t in ts if isinstance(t, torch.Tensor))
+                out[st.selector] = out.get(st.selector, 0) + n
+        return out
+
     def _kv_end(self, st: SparseRequest) -> int:
         return self._kv_len.get(st.rid, st.win_start)
 
@@ -231,12 +258,15 @@ class SparseRuntime:
                     S.REBUILD, req.rid, self.params.min_sparse_len, self.on_transition
                 )
             custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-            over = request_overrides(custom, self.selectors)
+            over = request_overrides(custom, self.selectors, self.speculators)
             st = SparseRequest(
                 req.rid,
                 path,
                 top_k=over.get("top_k", self.params.top_k),
                 selector=over.get("selector", self.params.selector),
+                speculator=over.get("speculator", self.speculator),
+                miss_policy=over.get("miss_policy"),
+                req=req,
             )
             self.requests[req.rid] = st
         return st

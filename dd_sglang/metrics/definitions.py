@@ -66,8 +66,8 @@ SPARSE_REQUEST_DEVICE_TOKENS_MAX = Gauge(
 )
 CRITICAL_SET_BUFFER_BYTES = Gauge(
     "dd_critical_set_buffer_bytes",
-    "Bytes of critical-set K/V gathered from the host tier for one layer in the last sparse decode step, "
-    "summed over its sparse requests (the layer buffer the sparse kernel reads).",
+    "Device bytes holding critical-set K/V in the last sparse decode step: the layer ring (lookahead "
+    "selectors) plus one layer's synchronous gather (other selectors, misses repaired).",
     multiprocess_mode="livesum",
 )
 HBM_USED_BYTES = Gauge(
@@ -98,20 +98,78 @@ HOST_TIER_REBUILT_TOKENS = Counter(
 )
 PREFETCH_HITS = Counter(
     "dd_prefetch_hits",
-    "Lookahead selectors: tokens of a step's exact top-k (per layer and KV head) that the set fixed "
-    "one step earlier already held. Hit rate = hits / lookups.",
-    ["selector"],
+    "Lookahead selectors, sampled steps (prefetch.hit_rate_sample): tokens of the real query's exact top-k "
+    "(per layer and KV head) that the set fixed one step earlier held. Hit rate = hits / lookups.",
+    ["selector", "speculator"],
 )
 PREFETCH_LOOKUPS = Counter(
     "dd_prefetch_lookups",
-    "Lookahead selectors: critical-set slots checked against the exact top-k (k x KV heads per request and layer).",
-    ["selector"],
+    "Lookahead selectors, sampled steps: critical-set slots checked against the exact top-k "
+    "(k x KV heads per request and layer).",
+    ["selector", "speculator"],
+)
+PREFETCH_MASS_PREFETCHED = Counter(
+    "dd_prefetch_mass_prefetched",
+    "Lookahead selectors, sampled steps: the real query's softmax mass (max over each KV head's query heads) "
+    "on the prefetched set, summed over KV heads. Coverage = this / dd_prefetch_mass_top_k_total.",
+    ["selector", "speculator"],
+)
+PREFETCH_MASS_TOP_K = Counter(
+    "dd_prefetch_mass_top_k",
+    "Lookahead selectors, sampled steps: the same softmax mass on the exact top-k, summed over KV heads.",
+    ["selector", "speculator"],
 )
 PREFETCH_COLD = Counter(
     "dd_prefetch_cold",
     "Lookahead selectors: (request, layer) steps with no set fixed in advance (a request's first sparse step), "
-    "selected from the current query.",
+    "selected synchronously from the current query.",
     ["selector"],
+)
+PREFETCH_MISSES = Counter(
+    "dd_prefetch_misses",
+    "Lookahead (request, layer) steps that ran after a rejected speculated token, by miss policy: "
+    "use_prefetched (attended over what arrived) or repair (fetched missing tokens synchronously).",
+    ["policy"],
+)
+PREFETCH_REPAIRED_TOKENS = Counter(
+    "dd_prefetch_repaired_tokens",
+    "Tokens (summed over KV heads) fetched synchronously by the repair miss policy.",
+)
+SPEC_PROPOSED = Counter(
+    "dd_spec_proposed",
+    "Decode steps of sparse requests whose previous step carried a speculated token (checked against the real one).",
+    ["speculator"],
+)
+SPEC_ACCEPTED = Counter(
+    "dd_spec_accepted",
+    "Speculated tokens equal to the real next token. Acceptance rate = accepted / proposed.",
+    ["speculator"],
+)
+TRANSFER_WAIT_SECONDS = Histogram(
+    "dd_transfer_wait_seconds",
+    "Per layer and decode step: time attention waited for the layer's prefetched critical-set copy (exposed wait).",
+    buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5),
+)
+TRANSFER_COPY_SECONDS = Histogram(
+    "dd_transfer_copy_seconds",
+    "Per layer and decode step: duration of the layer's critical-set gather and copy on the copy worker.",
+    buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5),
+)
+TRANSFER_HIDDEN_SECONDS = Counter(
+    "dd_transfer_hidden_seconds",
+    "Copy time that ran before attention started waiting for it (overlapped with earlier layers' compute).",
+)
+LAYER_RING_BUFFER_BYTES = Gauge(
+    "dd_layer_ring_buffer_bytes",
+    "Device bytes of the layer ring holding prefetched critical-set K/V (prefetch.depth + 1 layer slots).",
+    multiprocess_mode="livesum",
+)
+SELECTOR_AUX_BYTES = Gauge(
+    "dd_selector_aux_bytes",
+    "Device bytes kept only to choose critical sets (auxiliary state), by selector: quest_device's page "
+    "summaries; 0 for spec_host, recency and oracle.",
+    ["selector"],
+    multiprocess_mode="livesum",
 )
 PREFETCH_LAYER_HIT_RATE = Histogram(
     "dd_prefetch_layer_hit_rate",

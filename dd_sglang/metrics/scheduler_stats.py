@@ -74,7 +74,8 @@ def sparse_snapshot() -> dict | None:
 
     Keys: ``host_capacity_bytes``, ``host_used_bytes``, ``host_prefix_cache_bytes``,
     ``resident_tokens`` (device slots of sparse requests), ``request_device_tokens_max``,
-    ``critical_buffer_bytes``, ``states`` (requests by DualPath state), ``offloaded_tokens``,
+    ``critical_buffer_bytes``, ``ring_buffer_bytes`` (the backend's layer ring),
+    ``selector_aux_bytes`` (device selection state by selector), ``states`` (requests by DualPath state), ``offloaded_tokens``,
     ``rebuilt_tokens``, ``host_bytes_per_token``.
     """
     from dd_sglang.kvcache import sparse_runtime
@@ -91,6 +92,8 @@ def sparse_snapshot() -> dict | None:
         "resident_tokens": rt.resident_tokens(),
         "request_device_tokens_max": rt.max_request_device_tokens(),
         "critical_buffer_bytes": rt.critical_buffer_bytes if rt.by_pool else 0,
+        "ring_buffer_bytes": rt.ring_buffer_bytes if rt.by_pool else 0,
+        "selector_aux_bytes": rt.selector_aux_bytes(),
         "states": rt.state_counts(),
         "offloaded_tokens": rt.offloaded_tokens,
         "rebuilt_tokens": rt.rebuilt_tokens,
@@ -133,6 +136,10 @@ class SchedulerMetrics:
         m.SPARSE_RESIDENT_BYTES.set(h["resident_tokens"] * snap.bytes_per_token if h else 0)
         m.SPARSE_REQUEST_DEVICE_TOKENS_MAX.set(h["request_device_tokens_max"] if h else 0)
         m.CRITICAL_SET_BUFFER_BYTES.set(h["critical_buffer_bytes"] if h else 0)
+        m.LAYER_RING_BUFFER_BYTES.set(h["ring_buffer_bytes"] if h else 0)
+        aux = h["selector_aux_bytes"] if h else {}
+        for sel in ("oracle", "spec_host", "quest_device", "recency"):
+            m.SELECTOR_AUX_BYTES.labels(selector=sel).set(aux.get(sel, 0))
         if snap.cuda_allocated_bytes is not None:
             m.HBM_USED_BYTES.labels(source="cuda_allocator").set(snap.cuda_allocated_bytes)
         else:

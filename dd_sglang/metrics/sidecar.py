@@ -11,7 +11,10 @@ Routes:
 * ``GET /stats``: JSON snapshot: the ``dd_`` samples grouped by metric
   (``{"dd_device_kv_used_bytes": [{"labels": {}, "value": 0.0}], ...}``), the
   SGLang URL, the preset name, the sidecar's uptime in seconds, and the running
-  prefetch hit rate per lookahead selector (``prefetch_hit_rate``).
+  prefetch hit rate per lookahead selector (``prefetch_hit_rate``) and per
+  selector/speculator pair (``prefetch_hit_rate_by_speculator``, keys like
+  ``"spec_host/dual_token"``), and the speculated-token acceptance rate per
+  speculator (``spec_acceptance_rate``).
 """
 
 from __future__ import annotations
@@ -23,15 +26,29 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 
-def prefetch_hit_rates(samples: dict) -> dict[str, float]:
-    """Running prefetch hit rate per selector: ``dd_prefetch_hits_total / dd_prefetch_lookups_total``."""
-    hits = {x["labels"].get("selector"): x["value"] for x in samples.get("dd_prefetch_hits_total", [])}
-    out = {}
-    for x in samples.get("dd_prefetch_lookups_total", []):
-        sel = x["labels"].get("selector")
-        if x["value"] > 0:
-            out[sel] = round(hits.get(sel, 0.0) / x["value"], 4)
-    return out
+def prefetch_hit_rates(samples: dict, by: tuple[str, ...] = ("selector",)) -> dict[str, float]:
+    """Running prefetch hit rate (``dd_prefetch_hits_total / dd_prefetch_lookups_total``), grouped by
+    the labels ``by`` (keys joined with ``/``: ``"spec_host/dual_token"`` for selector and speculator)."""
+
+    def group(name: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for x in samples.get(name, []):
+            key = "/".join(str(x["labels"].get(b)) for b in by)
+            out[key] = out.get(key, 0.0) + x["value"]
+        return out
+
+    hits, lookups = group("dd_prefetch_hits_total"), group("dd_prefetch_lookups_total")
+    return {key: round(hits.get(key, 0.0) / n, 4) for key, n in lookups.items() if n > 0}
+
+
+def acceptance_rates(samples: dict) -> dict[str, float]:
+    """Speculated-token acceptance per speculator: ``dd_spec_accepted_total / dd_spec_proposed_total``."""
+    acc = {x["labels"].get("speculator"): x["value"] for x in samples.get("dd_spec_accepted_total", [])}
+    return {
+        x["labels"].get("speculator"): round(acc.get(x["labels"].get("speculator"), 0.0) / x["value"], 4)
+        for x in samples.get("dd_spec_proposed_total", [])
+        if x["value"] > 0
+    }
 
 
 def _registry(multiproc_dir: str):
@@ -94,6 +111,8 @@ def create_app(
             "sglang_url": sglang_url,
             "uptime_seconds": round(time.monotonic() - started, 3),
             "prefetch_hit_rate": prefetch_hit_rates(samples),
+            "prefetch_hit_rate_by_speculator": prefetch_hit_rates(samples, ("selector", "speculator")),
+            "spec_acceptance_rate": acceptance_rates(samples),
             "metrics": samples,
         }
 

@@ -1,0 +1,53 @@
+"""Prometheus receiver of the ``dualdecoder`` attention backend's events.
+
+Implements the methods of :class:`dd_sglang.attention.backend.BackendEvents`
+(by name; no import of the attention layer) with the metrics of
+:mod:`dd_sglang.metrics.definitions`. Lives in the scheduler process, where
+``PROMETHEUS_MULTIPROC_DIR`` is set before SGLang starts.
+"""
+
+from __future__ import annotations
+
+
+class MetricsEvents:
+    """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_prefetch_*``,
+    ``dd_spec_*`` and ``dd_transfer_*``."""
+
+    def __init__(self):
+        from dd_sglang.metrics import definitions
+
+        self.m = definitions
+
+    def sparse_rows(self, n: int) -> None:
+        self.m.SPARSE_DECODE_ROWS.inc(n)
+
+    def cold(self, selector: str) -> None:
+        self.m.PREFETCH_COLD.labels(selector=selector).inc()
+
+    def prefetch(self, selector, speculator, layer, hits, lookups, mass_prefetched, mass_top_k) -> None:
+        m, lab = self.m, {"selector": selector, "speculator": speculator}
+        m.PREFETCH_HITS.labels(**lab).inc(hits)
+        m.PREFETCH_LOOKUPS.labels(**lab).inc(lookups)
+        m.PREFETCH_MASS_PREFETCHED.labels(**lab).inc(mass_prefetched)
+        m.PREFETCH_MASS_TOP_K.labels(**lab).inc(mass_top_k)
+        m.PREFETCH_LAYER_HIT_RATE.labels(layer=str(layer)).observe(hits / lookups)
+
+    def speculation(self, speculator: str, accepted: bool) -> None:
+        self.m.SPEC_PROPOSED.labels(speculator=speculator).inc()
+        if accepted:
+            self.m.SPEC_ACCEPTED.labels(speculator=speculator).inc()
+
+    def miss(self, policy: str, repaired_tokens: int) -> None:
+        self.m.PREFETCH_MISSES.labels(policy=policy).inc()
+        if repaired_tokens:
+            self.m.PREFETCH_REPAIRED_TOKENS.inc(repaired_tokens)
+
+    def transfer(self, timings) -> None:
+        m = self.m
+        hidden = 0.0
+        for t in timings:
+            m.TRANSFER_COPY_SECONDS.observe(t.copy_s)
+            if t.wait_start:
+                m.TRANSFER_WAIT_SECONDS.observe(t.wait_s)
+            hidden += t.hidden_s
+        m.TRANSFER_HIDDEN_SECONDS.inc(hidden)

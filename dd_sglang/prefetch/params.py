@@ -1,0 +1,29 @@
+"""Prefetch settings shared by the attention backend and the plugin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefetchParams:
+    """Prediction and transfer settings (built from the preset's validated ``prefetch`` section,
+    :class:`dd_sglang.config.PrefetchSection`, which holds the defaults and ranges).
+
+    Attributes:
+        speculator: ``dual_token``, ``ngram`` or ``none`` (:mod:`dd_sglang.prefetch.speculators`).
+        depth: prefetch depth ``w``: layer l's copy runs while layers ``l-w .. l-1`` compute;
+            the layer ring holds ``w + 1`` layers.
+        miss_policy: ``use_prefetched`` (attend over what arrived) or ``repair`` (when the
+            speculated token was rejected, fetch synchronously the ``repair_budget`` best
+            candidates of the real query that were not prefetched, per layer and KV head).
+        repair_budget: tokens per layer and KV head a repair may add.
+        hit_rate_sample: fraction of (request, step)s on which the exact top-k of the real
+            query is computed to measure the prefetch hit rate (0 disables, 1 every step).
+    """
+
+    speculator: str = "dual_token"
+    depth: int = 2
+    miss_policy: str = "use_prefetched"
+    repair_budget: int = 32
+    hit_rate_sample: float = 0.05
