@@ -124,8 +124,12 @@ class PrefetchSection(_Strict):
     what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
     layer and KV head synchronously when the speculated token was rejected.
     ``hit_rate_sample`` is the fraction of steps whose hit rate is measured
-    against the exact top-k. A request may override ``speculator`` through
-    ``custom_params.dd_speculator``.
+    against the exact top-k. ``blend``: when the speculated token is not
+    confident (``dual_token`` after a rejected speculation, ``ngram``), rank
+    candidates by the max of the speculated and the current query's scores
+    (off: it measured lower hit rates, see ``PrefetchParams``). A
+    request may override ``speculator`` and ``miss_policy`` through
+    ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
 
     speculator: Literal["dual_token", "ngram", "none"] = "dual_token"
@@ -133,6 +137,7 @@ class PrefetchSection(_Strict):
     miss_policy: Literal["use_prefetched", "repair"] = "use_prefetched"
     repair_budget: int = Field(32, ge=1, le=1_000_000)
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
+    blend: bool = False
 
 
 class DDConfig(_Strict):

@@ -38,12 +38,10 @@ def test_ngram_none_without_recurrence_and_incremental_index():
 
 def test_dual_token_uses_the_argmax_only_after_an_accepted_speculation():
     spec = DualTokenSpeculator()
-    st = SpecState(riding=42, argmax=77)
-    assert spec.propose([1, 2, 42], st) == 77  # 42 rode along and was the real token
-    st = SpecState(riding=41, argmax=77)
-    assert spec.propose([5, 9, 1, 5, 42], st) is None  # rejected, and no n-gram recurs
-    st = SpecState(riding=41, argmax=77)
-    assert spec.propose([5, 9, 1, 5], st) == 9  # rejected: prompt lookup ("5" was followed by 9)
+    assert spec.propose([1, 2, 42], SpecState(riding=42, argmax=77)) == 77  # 42 rode along and was real
+    assert spec.propose([5, 9, 1, 5, 42], SpecState(riding=41, argmax=77)) is None  # rejected, no n-gram
+    assert spec.propose([5, 9, 1, 5], SpecState(riding=41, argmax=77)) == 9  # rejected: prompt lookup
+    assert spec.propose([5, 9, 1, 5], SpecState()) == 9  # first sparse step: prompt lookup
 
 
 def test_none_and_ngram_speculators():

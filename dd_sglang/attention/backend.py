@@ -31,9 +31,11 @@ One decode step (``init_forward_metadata`` plans it once; each layer only gather
    step, whose K/V the transfer schedule (:mod:`dd_sglang.prefetch.schedule`)
    copied into the layer ring (:mod:`dd_sglang.kvcache.layer_buffers`) while
    earlier layers computed; the layer waits only for its own copy. Each
-   lookahead layer then queues the selection of the next step's set (the
-   speculated position's query for ``spec_host``, the current one for
-   ``recency``) on the select worker.
+   lookahead layer then queues the selection of the next step's set on the
+   select worker: ``recency`` scores the current query; ``spec_host`` the
+   speculated position's query, or, when that token is not confident and
+   ``prefetch.blend`` is on, the max of the speculated and the current query's
+   scores (same budget k).
 3. **Misses** (lookahead rows whose speculated token was rejected):
    ``use_prefetched`` attends over what arrived; ``repair`` adds, per layer and
    KV head, the ``repair_budget`` best candidates of the real query that were
@@ -106,6 +108,8 @@ class SparseRowPlan:
         rejected: the token speculated last step was not the real one.
         sampled: this (request, step) measures the prefetch hit rate.
         ring_row: the request's row in the layer ring, or None (nothing prefetched).
+        spec_confident: the speculated token is the argmax after a verified context
+            (``dual_token`` after an accepted speculation).
     """
 
     row: int
@@ -118,6 +122,7 @@ class SparseRowPlan:
     rejected: bool = False
     sampled: bool = False
     ring_row: int | None = None
+    spec_confident: bool = False
 
 
 def plan_sparse_row(row: int, seq_len: int, st, req_to_token_row: torch.Tensor) -> SparseRowPlan:
@@ -308,6 +313,7 @@ class DualDecoderAttnBackend(AttentionBackend):
             if ok is not None:
                 self.events.speculation(st.speculator, ok)
             p.rejected = ok is False
+            p.spec_confident = ok is True and st.speculator == "dual_token"
             tok = self._speculators[st.speculator].propose(_history(st, x), st.spec)
             st.spec.riding, st.spec.argmax = tok, None
             if tok is not None:
@@ -540,12 +546,16 @@ class DualDecoderAttnBackend(AttentionBackend):
         """Queue the choice of this (request, layer)'s next-step set on the select worker."""
         st = p.st
         use_spec = SELECTORS[st.selector].uses_speculator and p.spec_index is not None
-        q = q_host[p.spec_index if use_spec else p.row].clone()
-        slots, cand, k, exact = p.cand_slots, p.cand_pos, st.top_k, self._exact
+        if use_spec and self.prefetch.blend and not p.spec_confident:
+            q = q_host[[p.spec_index, p.row]].clone()  # unconfident: speculated and current query together
+        else:
+            q = q_host[[p.spec_index if use_spec else p.row]].clone()
+        slots, cand, k = p.cand_slots, p.cand_pos, st.top_k
 
         def select() -> None:
-            idx = exact.select(q[None], [slots], k, host_k, scale).positions[0]
-            st.next_prefetched[hl] = cand[idx]
+            keys = host_k.index_select(0, slots)
+            scores = torch.stack([gqa_token_scores(qi, keys, scale) for qi in q]).amax(dim=0)  # [Hkv, C]
+            st.next_prefetched[hl] = cand[scores.topk(k, dim=-1).indices]
 
         self.schedule.submit_select(select)
 

@@ -1,1 +1,1 @@
-"""Prefetch layer: selectors (which KV entries a decode step needs). Uses kvcache only."""
+"""Prefetch layer: speculators, selectors and the layer-aware transfer schedule. Uses kvcache only."""

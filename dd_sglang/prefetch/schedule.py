@@ -24,8 +24,10 @@ queues. PyTorch releases the GIL inside its ops, so on a CPU the gathers and
 the forward's layers really run at once (2 cores here). On CUDA the copy
 worker additionally issues the host-to-device copy on its own stream and
 records a CUDA event per layer; :meth:`wait` makes the compute stream wait on
-it (SGLang's ``LayerDoneCounter`` pattern in HiCache). The CUDA branch has not
-run on a GPU.
+it (SGLang's ``LayerDoneCounter`` pattern in HiCache), and :meth:`done`
+records an event on the compute stream that the copy reusing the slot waits
+for. The CUDA branch is tested by ``tests/test_transfer_schedule_cuda.py``
+where a GPU exists.
 
 Every layer's timestamps (``time.perf_counter`` seconds) are kept for the last
 step (:attr:`TransferSchedule.last_step`): copy start/end and wait start/end,
@@ -138,6 +140,7 @@ class TransferSchedule:
         self._layers: list[int] = []
         self._done_evt: dict[int, threading.Event] = {}
         self._cuda_evt: dict[int, object] = {}
+        self._slot_free_evt: dict[int, object] = {}  # CUDA: slot -> compute-stream event after its last read
         self._timing: dict[int, LayerTiming] = {}
         self._next = 0
         #: Timings of the last finished step, in layer order.
@@ -172,12 +175,15 @@ class TransferSchedule:
         self._timing[layer] = t
         k_slot, v_slot = self.ring.slot(layer)
         gather = self._gather
+        slot_free = self._slot_free_evt.pop(layer % self.ring.n_slots, None)
 
         def job() -> None:
             t.copy_start = time.perf_counter()
             try:
                 if self._cuda:
                     with torch.cuda.stream(self._stream):
+                        if slot_free is not None:  # the layer that used this slot last has read it
+                            self._stream.wait_event(slot_free)
                         gather(layer, k_slot, v_slot)
                         ev = torch.cuda.Event()
                         ev.record(self._stream)
@@ -209,7 +215,12 @@ class TransferSchedule:
 
     def done(self, layer: int) -> None:
         """``layer``'s slot has been consumed: queue the copy that reuses it; after the step's last
-        layer, finish the step (its timings are reported then)."""
+        layer, finish the step (its timings are reported then). On CUDA the reuse first waits for
+        the compute stream's reads of the slot (an event recorded here)."""
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.ring.device))
+            self._slot_free_evt[layer % self.ring.n_slots] = ev
         self._queue_next()
         if self._layers and layer == self._layers[-1]:
             self.end_step()

@@ -15,9 +15,12 @@ Where the speculated token comes from:
   position fed ``x̂_t``; when ``x̂_t`` turned out to be the real ``x_t`` (the
   speculation was *accepted*), its logits are the model's next-token
   distribution after ``x_t`` (up to the sparse attention the second position
-  uses), and their argmax is the greedy guess of ``x_{t+1}``. When ``x̂_t`` was
-  rejected, or on a request's first sparse step, it falls back to ``ngram``;
-  with no n-gram match either, no token rides along.
+  uses), and their argmax is the greedy guess of ``x_{t+1}`` (a *confident*
+  proposal). When ``x̂_t`` was rejected, or on a request's first sparse step,
+  it falls back to ``ngram``; with no n-gram match either, no token rides
+  along. (Reusing the rejected position's argmax instead keeps the chain one
+  token out of phase: every later guess continues a wrong token, and greedy
+  acceptance fell from 0.73 to 0.0 on one 4k text in ``bench/prefetch.py``.)
 * ``ngram``: prompt lookup (Saxena, "Prompt Lookup Decoding", 2023; the idea of
   SGLang's NGRAM speculative algorithm): the token that followed the most
   recent earlier occurrence of the longest suffix of the context, for suffix
