@@ -345,6 +345,11 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
             {"dd_speculator": "oracle"},
             "custom_params.dd_speculator must be one of ['dual_token', 'ngram', 'none']",
         ),
+        (
+            {"dd_miss_policy": "ignore"},
+            "custom_params.dd_miss_policy must be one of ['use_prefetched', 'repair']",
+        ),
+        ({"dd_topk": 64}, "custom_params.dd_topk is not a dd_sglang override"),
     ],
 )
 def test_bad_override_is_rejected_before_admission(dd_server, custom, needle):

@@ -62,13 +62,18 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
         speculators: the allowed speculator names.
 
     Raises:
-        ValueError: an override has the wrong type or is out of range; the message names
+        ValueError: an unknown ``dd_`` key (a typo would otherwise be ignored), or an override
+            has the wrong type or is out of range; the message names
             the field and the allowed values. SGLang turns it into an HTTP 400 before the
             request is queued (``patches/sampling_sampling_params.py``).
     """
     out: dict = {}
     if not isinstance(custom_params, dict):
         return out
+    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY)
+    for key in custom_params:
+        if isinstance(key, str) and key.startswith("dd_") and key not in known:
+            raise ValueError(f"custom_params.{key} is not a dd_sglang override; known: {list(known)}")
     if OVERRIDE_TOP_K in custom_params:
         v = custom_params[OVERRIDE_TOP_K]
         lo, hi = TOP_K_RANGE
