@@ -80,23 +80,14 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"custom_params.{OVERRIDE_TOP_K} must be an integer in [{lo}, {hi}], got {v!r}")
         out["top_k"] = v
-    if OVERRIDE_SELECTOR in custom_params:
-        v = custom_params[OVERRIDE_SELECTOR]
-        if v not in selectors:
-            raise ValueError(f"custom_params.{OVERRIDE_SELECTOR} must be one of {list(selectors)}, got {v!r}")
-        out["selector"] = v
-    if OVERRIDE_SPECULATOR in custom_params:
-        v = custom_params[OVERRIDE_SPECULATOR]
-        if v not in speculators:
-            raise ValueError(
-                f"custom_params.{OVERRIDE_SPECULATOR} must be one of {list(speculators)}, got {v!r}"
-            )
-        out["speculator"] = v
-    if OVERRIDE_MISS_POLICY in custom_params:
-        v = custom_params[OVERRIDE_MISS_POLICY]
-        if v not in MISS_POLICIES:
-            raise ValueError(
-                f"custom_params.{OVERRIDE_MISS_POLICY} must be one of {list(MISS_POLICIES)}, got {v!r}"
-            )
-        out["miss_policy"] = v
+    for key, field, allowed in (
+        (OVERRIDE_SELECTOR, "selector", selectors),
+        (OVERRIDE_SPECULATOR, "speculator", speculators),
+        (OVERRIDE_MISS_POLICY, "miss_policy", MISS_POLICIES),
+    ):
+        if key in custom_params:
+            v = custom_params[key]
+            if v not in allowed:
+                raise ValueError(f"custom_params.{key} must be one of {list(allowed)}, got {v!r}")
+            out[field] = v
     return out

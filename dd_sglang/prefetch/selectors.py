@@ -107,6 +107,22 @@ class Selector:
         host_keys: torch.Tensor,
         scale: float,
     ) -> CriticalSet:
+        """See the module docstring: each request's candidates ranked by :meth:`_rank`.
+
+        Raises ``ValueError`` on bad shapes or ``k < 1``.
+        """
+        _check(queries, locations, k, host_keys)
+        hkv = host_keys.shape[1]
+        positions = torch.zeros(len(locations), hkv, k, dtype=torch.int64)
+        lengths = torch.zeros(len(locations), hkv, dtype=torch.int64)
+        for r, loc in enumerate(locations):
+            ranked = self._rank(queries[r], host_keys.index_select(0, loc), k, scale)
+            positions[r, :, : ranked.shape[1]] = ranked
+            lengths[r] = ranked.shape[1]
+        return CriticalSet(positions, lengths)
+
+    def _rank(self, query: torch.Tensor, keys: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+        """``[Hkv, min(k, n)]`` indices into ``keys`` (``[n, Hkv, D]``) for ``query`` (``[Hq, D]``)."""
         raise NotImplementedError
 
     def device_aux_bytes(self) -> int:
@@ -123,26 +139,9 @@ class OracleSelector(Selector):
 
     name = "oracle"
 
-    def select(
-        self,
-        queries: torch.Tensor,
-        locations: list[torch.Tensor],
-        k: int,
-        host_keys: torch.Tensor,
-        scale: float,
-    ) -> CriticalSet:
-        """See the module docstring. Raises ``ValueError`` on bad shapes or ``k < 1``."""
-        _check(queries, locations, k, host_keys)
-        hkv = host_keys.shape[1]
-        positions = torch.zeros(len(locations), hkv, k, dtype=torch.int64)
-        lengths = torch.zeros(len(locations), hkv, dtype=torch.int64)
-        for r, loc in enumerate(locations):
-            kt = host_keys.index_select(0, loc)  # every candidate key: the oracle reads them all
-            scores = gqa_token_scores(queries[r], kt, scale)
-            n = min(k, kt.shape[0])
-            positions[r, :, :n] = scores.topk(n, dim=-1).indices
-            lengths[r] = n
-        return CriticalSet(positions, lengths)
+    def _rank(self, query: torch.Tensor, keys: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+        """Exact top-k, best first: every candidate key is read."""
+        return gqa_token_scores(query, keys, scale).topk(min(k, keys.shape[0]), dim=-1).indices
 
     def device_aux_bytes(self) -> int:
         return 0
@@ -263,29 +262,14 @@ class QuestDeviceSelector(Selector):
         self.page_size = page_size
         self.held_bytes = 0
 
-    def select(
-        self,
-        queries: torch.Tensor,
-        locations: list[torch.Tensor],
-        k: int,
-        host_keys: torch.Tensor,
-        scale: float,
-    ) -> CriticalSet:
-        """See the module docstring (summaries built on the fly; the backend keeps them instead)."""
-        _check(queries, locations, k, host_keys)
-        hkv = host_keys.shape[1]
-        positions = torch.zeros(len(locations), hkv, k, dtype=torch.int64)
-        lengths = torch.zeros(len(locations), hkv, dtype=torch.int64)
-        for r, loc in enumerate(locations):
-            n = loc.numel()
-            if n <= k:
-                positions[r, :, :n] = torch.arange(n)
-                lengths[r] = n
-                continue
-            mins, maxs = quest_page_summaries(host_keys.index_select(0, loc), self.page_size)
-            positions[r] = quest_select(queries[r], mins, maxs, n, k, self.page_size)
-            lengths[r] = k
-        return CriticalSet(positions, lengths)
+    def _rank(self, query: torch.Tensor, keys: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+        """Every candidate when ``n <= k``; else :func:`quest_select` over summaries built on the fly
+        (the backend keeps them per request instead)."""
+        n, hkv, _ = keys.shape
+        if n <= k:
+            return torch.arange(n).expand(hkv, n)
+        mins, maxs = quest_page_summaries(keys, self.page_size)
+        return quest_select(query, mins, maxs, n, k, self.page_size)
 
     def device_aux_bytes(self) -> int:
         return self.held_bytes
