@@ -466,30 +466,26 @@ class DualDecoderAttnBackend(AttentionBackend):
         for p in self._plans:
             st = p.st
             c, k = p.cand_pos.numel(), st.top_k
+            lookahead = SELECTORS[st.selector].lookahead
             qi = q_host[p.row]
             kc = vc = None
             if c <= k:
                 idx = torch.arange(c).unsqueeze(0).expand(hkv, c)
                 pos = p.cand_pos[idx]
-            elif SELECTORS[st.selector].lookahead:
-                prev = st.prefetched.get(hl)
-                if prev is not None and ring is not None and p.ring_row is not None:
-                    pos = prev
-                    kc = ring[0][p.ring_row, :, : prev.shape[1]]
-                    vc = ring[1][p.ring_row, :, : prev.shape[1]]
-                    pos, kc, vc = self._check_prefetched(
-                        p, qi, hl, pos, kc, vc, host_k, host_v, layer.scaling
-                    )
-                else:
-                    self.events.cold(st.selector)
-                    idx = self._exact.select(qi[None], [p.cand_slots], k, host_k, layer.scaling).positions[0]
-                    pos = p.cand_pos[idx]
-                self._queue_next_selection(p, q_host, hl, host_k, layer.scaling)
+            elif lookahead and p.ring_row is not None and ring is not None and hl in st.prefetched:
+                prev = st.prefetched[hl]
+                kc = ring[0][p.ring_row, :, : prev.shape[1]]
+                vc = ring[1][p.ring_row, :, : prev.shape[1]]
+                pos, kc, vc = self._check_prefetched(p, qi, hl, prev, kc, vc, host_k, host_v, layer.scaling)
             elif st.selector == QuestDeviceSelector.name:
                 pos = p.cand_pos[self._quest(p, q3, hl, host_k, k_buf.device)]
-            else:
+            else:  # oracle, or a lookahead selector with nothing fixed in advance (a cold start)
+                if lookahead:
+                    self.events.cold(st.selector)
                 idx = self._exact.select(qi[None], [p.cand_slots], k, host_k, layer.scaling).positions[0]
                 pos = p.cand_pos[idx]
+            if lookahead and c > k:
+                self._queue_next_selection(p, q_host, hl, host_k, layer.scaling)
             if kc is None:
                 slots = st.host_slots[pos]  # [Hkv, k]
                 kc, vc = host_k[slots, heads], host_v[slots, heads]  # a synchronous gather
@@ -513,13 +509,10 @@ class DualDecoderAttnBackend(AttentionBackend):
         k = pos.shape[1]
         policy = st.miss_policy or self.prefetch.miss_policy
         repair = p.rejected and policy == "repair"
-        if not (p.sampled or repair):
-            if p.rejected:
-                self.events.miss(policy, 0)
-            return pos, kc, vc
-        scores = gqa_token_scores(qi, host_k.index_select(0, p.cand_slots), scale)  # [Hkv, C]
-        have = torch.searchsorted(p.cand_pos, pos)  # prefetched positions are candidates
         hkv = pos.shape[0]
+        if p.sampled or repair:
+            scores = gqa_token_scores(qi, host_k.index_select(0, p.cand_slots), scale)  # [Hkv, C]
+            have = torch.searchsorted(p.cand_pos, pos)  # prefetched positions are candidates
         if p.sampled:
             top = scores.topk(k, dim=-1)
             hits = sum(int(torch.isin(have[h], top.indices[h]).sum()) for h in range(hkv))
