@@ -73,55 +73,54 @@ def main(argv: list[str] | None = None) -> int:
             k_slot[r].copy_(kk, non_blocking=True)
             v_slot[r].copy_(vv, non_blocking=True)
 
-    results = {}
-    # inline: gather + copy on the compute stream, then compute.
-    ring = LayerRingBuffer(0, "cuda", torch.bfloat16)
-    ring.reserve(args.rows, HKV, args.k, D)
-    times = []
-    for _ in range(args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for layer in range(LAYERS):
-            x = compute(x)
-            k_slot, v_slot = ring.slot(layer)
-            gather(layer, k_slot, v_slot)
-            x = x + k_slot[0, 0, 0, 0]  # the layer reads its critical set
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    results["inline"] = {"step_ms": round(statistics.median(times[1:]), 3)}
-    # compute only: the floor.
-    times = []
-    for _ in range(args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _layer in range(LAYERS):
-            x = compute(x)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    results["compute_only"] = {"step_ms": round(statistics.median(times[1:]), 3)}
+    def median_step_ms(layer_step, begin=None) -> float:
+        """Median over steps (the first is warm-up) of one decode step: ``begin()``, then per layer
+        the compute stand-in followed by ``layer_step(layer, x)``; timed with CUDA events."""
+        nonlocal x
+        times = []
+        for _ in range(args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            if begin is not None:
+                begin()
+            for layer in range(LAYERS):
+                x = layer_step(layer, compute(x))
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return round(statistics.median(times[1:]), 3)
+
+    # inline: gather + copy on the compute stream after the layer's compute.
+    inline_ring = LayerRingBuffer(0, "cuda", torch.bfloat16)
+    inline_ring.reserve(args.rows, HKV, args.k, D)
+
+    def inline_step(layer, x):
+        k_slot, v_slot = inline_ring.slot(layer)
+        gather(layer, k_slot, v_slot)
+        return x + k_slot[0, 0, 0, 0]  # the layer reads its critical set
+
+    results = {
+        "inline": {"step_ms": median_step_ms(inline_step)},
+        "compute_only": {"step_ms": median_step_ms(lambda layer, x: x)},  # the floor
+    }
     for depth in (0, 1, 2, 4):
         ring = LayerRingBuffer(depth, "cuda", torch.bfloat16)
         ring.reserve(args.rows, HKV, args.k, D)
         steps = []
         sched = TransferSchedule(ring, on_step=steps.append)
-        times = []
-        for _ in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            sched.begin_step(list(range(LAYERS)), gather)
-            for layer in range(LAYERS):
-                x = compute(x)
-                k_slot, _ = sched.wait(layer)
-                x = x + k_slot[0, 0, 0, 0]
-                sched.done(layer)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+
+        def scheduled_step(layer, x, sched=sched):
+            k_slot, _ = sched.wait(layer)
+            x = x + k_slot[0, 0, 0, 0]
+            sched.done(layer)
+            return x
+
+        step_ms = median_step_ms(
+            scheduled_step, lambda sched=sched: sched.begin_step(list(range(LAYERS)), gather)
+        )
         last = steps[-1]
         results[f"schedule_depth_{depth}"] = {
-            "step_ms": round(statistics.median(times[1:]), 3),
+            "step_ms": step_ms,
             "ring_bytes": ring.nbytes,
             "copy_ms_per_step": round(1e3 * sum(t.copy_s for t in last), 3),
             "exposed_wait_ms_per_step": round(1e3 * sum(t.wait_s for t in last), 3),
