@@ -56,6 +56,9 @@ from dd_sglang.kvcache.params import SparseParams, request_overrides
 logger = logging.getLogger(__name__)
 S = PathState
 
+#: min_sparse_len of a request that asked to stay dense (``custom_params.dd_sparse: false``).
+DENSE_ONLY = 2**62
+
 #: Tokens copied per chunk when a host-tier prefix is loaded back (REBUILD).
 REBUILD_CHUNK_TOKENS = 1024
 
@@ -249,14 +252,14 @@ class SparseRuntime:
         st = self.requests.get(req.rid)
         if st is None:
             n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-            path = DualPath(req.rid, n, self.params.min_sparse_len, self.on_transition)
-            if req.rid in self._rebuilt:
-                self._rebuilt.discard(req.rid)
-                path = DualPath.starting_in(
-                    S.REBUILD, req.rid, self.params.min_sparse_len, self.on_transition
-                )
             custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
             over = request_overrides(custom, self.selectors, self.speculators)
+            # dd_sparse false: no context is long enough to leave the dense path.
+            min_len = self.params.min_sparse_len if over.get("sparse", True) else DENSE_ONLY
+            path = DualPath(req.rid, n, min_len, self.on_transition)
+            if req.rid in self._rebuilt:
+                self._rebuilt.discard(req.rid)
+                path = DualPath.starting_in(S.REBUILD, req.rid, min_len, self.on_transition)
             st = SparseRequest(
                 req.rid,
                 path,
@@ -297,7 +300,10 @@ class SparseRuntime:
                 continue
             self._kv_len[req.rid] = int(req.kv.kv_committed_len)
             if st.path.state is S.PREFILL_FULL:
-                self.offload(req, st, tree_cache)
+                if st.path.wants_sparse(int(req.kv.kv_committed_len)):
+                    self.offload(req, st, tree_cache)
+                else:  # a reloaded prefix of a request that asked to stay dense (dd_sparse false)
+                    st.path.to(S.DENSE)
         self._just_released.clear()
         return self.reclaimed_slots - before
 
