@@ -67,7 +67,8 @@ class PrefetchEvents:
         """The transfer schedule finished a step (per-layer timestamps)."""
 
     def phase(self, name: str, seconds: float) -> None:
-        """Time spent in a phase of a decode step (``plan``, ``select``, ``attention``)."""
+        """Time spent in a phase of a decode step: ``plan``, ``select`` (forward thread),
+        ``select_ahead`` (select worker), ``assemble``, ``attention``."""
 
     def copied(self, nbytes: int) -> None:
         """``nbytes`` of critical-set K/V were gathered from the host tier into the layer ring."""
@@ -221,8 +222,9 @@ class SparseStepRunner:
             self._sync_select(plan, g, layer, q3, keys, values, scale)
         if plan.repair_rows.numel():
             self._repair(plan, layer, q3, keys, values, scale)
+        t1 = time.perf_counter()
         if plan.sync or plan.repair_rows.numel():
-            self.events.phase("select", time.perf_counter() - t0)
+            self.events.phase("select", t1 - t0)
         n_res = plan.n_res
         keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
         values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
@@ -230,7 +232,9 @@ class SparseStepRunner:
             keys[plan.spec_rows, :, -1] = k3[plan.spec_tokens].to(keys.dtype)
             values[plan.spec_rows, :, -1] = v3[plan.spec_tokens].to(values.dtype)
         q = fold_gqa(q3[plan.qidx], hkv)
-        return q, keys, values, self._mask(plan, q.shape[2] // 2)
+        mask = self._mask(plan, q.shape[2] // 2)
+        self.events.phase("assemble", time.perf_counter() - t1)
+        return q, keys, values, mask
 
     def _mask(self, plan: StepPlan, group: int) -> torch.Tensor:
         cached = self._mask_cache
@@ -288,7 +292,7 @@ class SparseStepRunner:
                 t0 = time.perf_counter()
                 pos, slots = g.selector.select(q, g.blocks, host_k, g.k, scale, index, layer)
                 nxt.put(layer, g.dest, pos, slots)
-                self.events.phase("select", time.perf_counter() - t0)
+                self.events.phase("select_ahead", time.perf_counter() - t0)
 
             self.schedule.submit_select(select)
         if plan.sampled.numel():
