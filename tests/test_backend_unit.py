@@ -101,7 +101,7 @@ def _attend_sets(q, k_all, v_all, sets):
 class Harness:
     """One request offloaded to the host tier, decoded step by step through the backend."""
 
-    def __init__(self, **overrides):
+    def __init__(self, prefetch: PrefetchParams | None = None, **overrides):
         p = params(page_size=16, n_keep=0, host_tier_bytes=2000 * PER_TOKEN, **overrides)
         self.rt, self.pool, self.alloc, self.r2t, self.req, self.tree, ok, ov = setup(p, PROMPT, 0)
         row = self.r2t[2, :PROMPT].long().clone()
@@ -113,16 +113,17 @@ class Harness:
         self.events = Events()
         self.backend = DualDecoderAttnBackend(
             DenseFake(), KVPool(self.pool), self.r2t, p, lambda: self.rt,
-            PrefetchParams(hit_rate_sample=0.0), self.events,
+            prefetch or PrefetchParams(hit_rate_sample=0.0), self.events,
         )  # fmt: skip
         self.gen = torch.Generator().manual_seed(11)
 
-    def step(self):
+    def step(self, tok: int | None = None):
         """Decode one token: returns (fb, q per layer [tokens, HQ, D], outputs per layer)."""
         pos = self.req.kv.kv_committed_len
         slot = self.alloc.alloc(1)
         self.r2t[2, pos] = slot.int()
-        tok = 5 + pos % 4  # the prompt repeats 5 6 7 8: prompt lookup proposes the next
+        if tok is None:
+            tok = 5 + pos % 4  # the prompt repeats 5 6 7 8: prompt lookup proposes the next
         fb = SimpleNamespace(
             forward_mode=_decode_mode(), batch_size=1, input_ids=torch.tensor([tok]),
             positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1]), req_pool_indices=torch.tensor([2]),
@@ -205,6 +206,29 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
     # Bytes copied into the ring: 24 tokens x 3 KV heads x D x 4 B, K and V, per layer.
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
+
+
+def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation():
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, rerank=100),
+                top_k=24, selector="spec_host_exact")  # fmt: skip
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    cand_prev = h.st.host_candidates()
+    _, qs_prev, _ = h.step()
+    resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+    cand = h.st.host_candidates()
+    fb, qs, outs = h.step(tok=99)  # not the speculated token: rejected, repaired
+    assert fb.dd_step is None
+    for i in range(LAYERS):
+        chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)
+        q = qs[i][0][0]
+        s = gqa_token_scores(q, h.k_all[i][cand], SCALE)
+        sets = []
+        for kv in range(HKV):
+            order = cand[s[kv].argsort(descending=True)].tolist()
+            extra = [p for p in order if p not in chosen[kv]][:8]  # the best 8 not prefetched
+            sets.append(chosen[kv] | set(extra) | set(resident))
+        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
 def test_finish_step_cuts_speculated_rows_and_records_their_argmax():

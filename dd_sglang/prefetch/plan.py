@@ -252,17 +252,26 @@ def _speculate(rows: list[_Row], inp: PlanInputs, on_verify) -> None:
         r.spec_token = tok
 
 
+def _index_locations(r: _Row) -> tuple[str, ...]:
+    """Where a row's blocks must be summarised: its selector's index, and the host index for every
+    lookahead row (a repair ranks the real query there)."""
+    if r.kind == "full":
+        return ()
+    locs = {r.selector.index_location} - {None}
+    if r.selector.lookahead:
+        locs.add("host")
+    return tuple(sorted(locs))
+
+
 def _update_indexes(rows: list[_Row], inp: PlanInputs, host_len) -> None:
-    """Summarise newly offloaded / flushed positions in the block index each selector reads."""
+    """Summarise newly offloaded / flushed positions in the block indexes the rows read."""
     for r in rows:
-        loc = r.selector.index_location
-        if loc is None or r.kind == "full":
-            continue
-        done = r.pred.indexed.get(loc, 0)
-        n = host_len(r)
-        if n > done:
-            inp.make_index(loc).update(r.st.host_slots, done, n)
-            r.pred.indexed[loc] = n
+        for loc in _index_locations(r):
+            done = r.pred.indexed.get(loc, 0)
+            n = host_len(r)
+            if n > done:
+                inp.make_index(loc).update(r.st.host_slots, done, n)
+                r.pred.indexed[loc] = n
 
 
 def _pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -123,6 +123,7 @@ class SparseStepRunner:
         )
         self._mask_cache: tuple[int, int, torch.Tensor] | None = None
         self._exact = SELECTORS["oracle"]()
+        self._repair_scorer = make_selector("spec_host", params.rerank)
 
     # ------------------------------------------------------------------ state
     def index(self, location: str) -> KeyBlockIndex:
@@ -251,17 +252,25 @@ class SparseStepRunner:
 
     def _repair(self, plan, layer, q3, scale) -> None:
         """Rows whose speculation missed: the ``repair_budget`` best non-prefetched candidates of
-        the real query, per KV head, into the repair columns (a synchronous gather)."""
+        the real query, per KV head, into the repair columns (a synchronous gather).
+
+        The real query ranks the host-tier block index (every lookahead row is summarised there)
+        and re-ranks the best blocks exactly, as ``spec_host`` does for its own query: a repair
+        reads ``rerank x (k + repair_budget)`` keys per KV head, not the whole context.
+        """
         rows = plan.repair_rows
         blocks = plan.blocks.take(rows)
         q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
-        pos, slots, score = self._exact.score(q, blocks, self.host.k[layer], plan.k, scale, None, layer)
-        have = plan.fixed_pos[layer][rows]  # exact scoring lists every position in order: index == position
-        kmask = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
-        score = score.scatter(-1, torch.where(kmask, have, 0), float("-inf"))
-        top = score.topk(plan.repair_budget, dim=-1).indices
+        budget = plan.repair_budget
+        pos, slots, score = self._repair_scorer.score(
+            q, blocks, self.host.k[layer], plan.k + budget, scale, self.index("host"), layer
+        )
+        have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
+        valid = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
+        held = ((pos.unsqueeze(-1) == have.unsqueeze(-2)) & valid.unsqueeze(-2)).any(dim=-1)
+        top = score.masked_fill(held, float("-inf")).topk(budget, dim=-1).indices
         self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
-        self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * plan.repair_budget)
+        self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
         """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
