@@ -168,6 +168,25 @@ def test_top_k_covering_the_context_attends_to_every_token_with_the_speculated_p
     assert h.events.cold_n == 0  # every candidate fits: no selection at all
 
 
+def test_two_riding_tokens_each_read_the_context_and_their_own_kv():
+    """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, branches=2, confident=0.99), top_k=1000, selector="spec_host")
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded (random logits: unsure)
+    state = h.backend.runner.store.get("r1").spec
+    t1, p1, t2, _ = state.top[0]
+    assert p1 < 0.99
+    fb, qs, outs = h.step()  # the pattern's token was the one that rode: accepted, its top-2 ride now
+    assert state.branch == 0 and state.riding == (t1, t2)
+    assert fb.input_ids.tolist()[1:] == [t1, t2]
+    n = h.req.kv.kv_committed_len
+    for i in range(LAYERS):
+        q, k, v = qs[i]
+        for j in (1, 2):
+            ks, vs = torch.cat([h.k_all[i][:n], k[j : j + 1]]), torch.cat([h.v_all[i][:n], v[j : j + 1]])
+            torch.testing.assert_close(outs[i][j].double(), _attend(q[j], ks, vs), atol=1e-4, rtol=1e-4)
+
+
 def _topk_sets(q, k_all, cand, k):
     s = gqa_token_scores(q, k_all[cand], SCALE)
     return [set(cand[s[kv].topk(k).indices].tolist()) for kv in range(HKV)]
@@ -240,14 +259,17 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     )  # fmt: skip
     h.backend.init_forward_metadata(fb)
     plan = fb.dd_step.plan
-    assert len(plan.spec_states) == 1 and isinstance(plan.spec_states[0], SpecState)
+    assert len(plan.spec_states) == 1 and isinstance(plan.spec_states[0][0], SpecState)
     logits = torch.randn(2, 11)
     hidden = torch.randn(2, 7)
     out = SimpleNamespace(next_token_logits=logits, hidden_states=hidden)
     h.backend.runner.end_step()
     finish_step(out, fb)
     assert torch.equal(out.next_token_logits, logits[:1]) and torch.equal(out.hidden_states, hidden[:1])
-    assert plan.spec_states[0].argmax == int(logits[1].argmax())
+    top = torch.softmax(logits[1], -1).topk(2)
+    state, i = plan.spec_states[0]
+    assert state.top[i][0] == int(top.indices[0]) and state.top[i][2] == int(top.indices[1])
+    assert abs(state.top[i][1] - float(top.values[0])) < 1e-6
     assert fb.dd_step is None
     finish_step(out, fb)  # a second logits call of the same batch is left alone
     assert out.next_token_logits.shape[0] == 1

@@ -80,8 +80,8 @@ def finish_step(output, forward_batch) -> None:
 
     Cuts the speculated positions' rows from ``output`` (``next_token_logits`` goes from
     ``[batch_size + n_spec, vocab]`` to ``[batch_size, vocab]``, hidden states alike),
-    storing each one's argmax in its request's ``SpecState`` (``dual_token``), and reports
-    the step's time. A no-op for batches this backend did not plan.
+    storing each one's two most likely next tokens and their probabilities in its request's
+    ``SpecState`` (``dual_token``), and reports the step's time. A no-op for batches this backend did not plan.
     """
     step = getattr(forward_batch, "dd_step", None)
     if not isinstance(step, _DecodeStep):
@@ -92,9 +92,9 @@ def finish_step(output, forward_batch) -> None:
     if plan is not None and plan.spec_states and logits is not None:
         n, extra = plan.batch_size, len(plan.spec_states)
         if logits.shape[0] == n + extra:
-            toks = logits[n:].argmax(dim=-1).tolist()
-            for state, tok in zip(plan.spec_states, toks, strict=True):
-                state.argmax = int(tok)
+            top = torch.softmax(logits[n:].float(), dim=-1).topk(2, dim=-1)
+            for (state, i), p, t in zip(plan.spec_states, top.values.tolist(), top.indices.tolist(), strict=True):
+                state.top[i] = (t[0], p[0], t[1], p[1])
             output.next_token_logits = logits[:n]
             hs = getattr(output, "hidden_states", None)
             if isinstance(hs, torch.Tensor) and hs.shape[0] == n + extra:
@@ -250,11 +250,12 @@ class DualDecoderAttnBackend(AttentionBackend):
             layer.scaling,
         )  # fmt: skip
         t1 = time.perf_counter()
-        o = unfold_gqa(sparse_decode_attention(qf, keys, values, mask, layer.scaling), 2).to(out.dtype)
+        o = unfold_gqa(sparse_decode_attention(qf, keys, values, mask, layer.scaling), plan.positions)
+        o = o.to(out.dtype)
         step.attention_s += time.perf_counter() - t1
         out[plan.rows.to(out.device)] = o[:, 0]
         if plan.spec_rows.numel():
-            out[plan.spec_tokens] = o[plan.spec_rows, 1]
+            out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
         runner.layer_done(plan, hl, q3, layer.scaling)
         self.events.sparse_rows(plan.num_rows)
         return out.view(-1, hq * dv)

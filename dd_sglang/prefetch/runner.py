@@ -43,7 +43,7 @@ from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
 from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
-from dd_sglang.prefetch.speculators import SPECULATORS
+from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
 
 
 class PrefetchEvents:
@@ -76,6 +76,17 @@ class PrefetchEvents:
 
 
 _NO_EVENTS = PrefetchEvents()
+
+
+def _selection_queries(q3: torch.Tensor, query: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The queries that drive a selection, ``[n, Hkv x Q x group, D]``, grouped by KV head.
+
+    ``query``: ``[n, Q]`` token indices (``Q`` riding positions, or the real one). Every query of
+    a KV head joins that head's GQA group, so a selector's max over the group ranks by all ``Q``
+    queries at once, at the same budget ``k``.
+    """
+    sel = fold_gqa(q3[query.to(q3.device)].detach(), hkv)  # [n, Hkv, Q x group, D]
+    return sel.reshape(sel.shape[0], -1, sel.shape[3])
 
 
 class SparseStepRunner:
@@ -113,7 +124,7 @@ class SparseStepRunner:
         self.inputs = PlanInputs(
             req_to_token=req_to_token,
             selectors={name: make_selector(name, params.rerank) for name in SELECTORS},
-            speculators={name: cls() for name, cls in SPECULATORS.items()},
+            speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
             store=self.store,
             make_index=self.index,
             miss_policy=params.miss_policy,
@@ -197,7 +208,8 @@ class SparseStepRunner:
 
         Returns:
             ``(q, keys, values, mask)`` for :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`:
-            ``[R, Hkv, 2 x group, D]``, ``[R, Hkv, columns, D]`` twice, ``[R, 1, 2 x group, columns]``.
+            ``[R, Hkv, P x group, D]``, ``[R, Hkv, columns, D]`` twice, ``[R, 1, P x group, columns]``
+            (``P = plan.positions``).
         """
         hkv = k_buf.shape[1]
         if plan.n_fixed:
@@ -218,10 +230,10 @@ class SparseStepRunner:
         keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
         values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
         if plan.spec_rows.numel():
-            keys[plan.spec_rows, :, -1] = k3[plan.spec_tokens].to(keys.dtype)
-            values[plan.spec_rows, :, -1] = v3[plan.spec_tokens].to(values.dtype)
+            keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
+            values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
         q = fold_gqa(q3[plan.qidx], hkv)
-        mask = self._mask(plan, q.shape[2] // 2)
+        mask = self._mask(plan, q.shape[2] // plan.positions)
         self.events.phase("assemble", time.perf_counter() - t1)
         return q, keys, values, mask
 
@@ -244,7 +256,7 @@ class SparseStepRunner:
 
     def _sync_select(self, plan, g, layer, q3, scale) -> None:
         index = self.indexes.get(g.selector.index_location) if g.selector.index_location else None
-        q = q3[g.query.to(q3.device)].detach().cpu()
+        q = _selection_queries(q3, g.query, self.host.k.shape[2]).cpu()
         _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, index, layer)
         self._put(layer, g.rows, slots, plan.n_res)
         if g.selector.lookahead:
@@ -279,7 +291,7 @@ class SparseStepRunner:
         host_k = self.host.k[layer]
         nxt = self.store.next_sets
         for g in plan.ahead:
-            q = q3[g.query.to(q3.device)].detach().to("cpu", copy=True)
+            q = _selection_queries(q3, g.query, self.host.k.shape[2]).to("cpu", copy=True)
             index = self.index(g.selector.index_location) if g.selector.index_location else None
 
             def select(g=g, q=q, index=index) -> None:
