@@ -102,7 +102,10 @@ def parse_router_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     ap.add_argument("--workers", type=int, default=2, help="local workers to start (default 2)")
     ap.add_argument(
-        "--worker-urls", nargs="+", default=None, help="route to these running workers instead of starting any"
+        "--worker-urls",
+        nargs="+",
+        default=None,
+        help="route to these running workers instead of starting any",
     )
     ap.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=30000, help="gateway port (default 30000)")
@@ -111,13 +114,24 @@ def parse_router_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default="cache_aware",
         help="smg routing policy: cache_aware (default), round_robin, random, power_of_two, ...",
     )
-    ap.add_argument("--worker-host", default="127.0.0.1", help="host the local workers bind (default 127.0.0.1)")
-    ap.add_argument("--worker-base-port", type=int, default=30010, help="worker i serves on this + i (default 30010)")
     ap.add_argument(
-        "--metrics-base-port", type=int, default=9464, help="worker i's metrics sidecar on this + i (default 9464)"
+        "--worker-host", default="127.0.0.1", help="host the local workers bind (default 127.0.0.1)"
     )
-    ap.add_argument("--router-metrics-port", type=int, default=29000, help="smg's Prometheus port (default 29000)")
-    ap.add_argument("--start-timeout-s", type=float, default=600.0, help="seconds for workers to become healthy")
+    ap.add_argument(
+        "--worker-base-port", type=int, default=30010, help="worker i serves on this + i (default 30010)"
+    )
+    ap.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=9464,
+        help="worker i's metrics sidecar on this + i (default 9464)",
+    )
+    ap.add_argument(
+        "--router-metrics-port", type=int, default=29000, help="smg's Prometheus port (default 29000)"
+    )
+    ap.add_argument(
+        "--start-timeout-s", type=float, default=600.0, help="seconds for workers to become healthy"
+    )
     ap.add_argument(
         "--smg-arg",
         action="append",
@@ -214,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.worker_urls:
         for w in workers:
             ports.append((f"worker {w.index} port", args.worker_host, args.worker_base_port + w.index))
-            ports.append((f"worker {w.index} metrics port", args.worker_host, args.metrics_base_port + w.index))
+            ports.append(
+                (f"worker {w.index} metrics port", args.worker_host, args.metrics_base_port + w.index)
+            )
     seen: dict[int, str] = {}
     for name, host, port in ports:
         if not 1 <= port <= 65535:

@@ -22,7 +22,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_unknown_flags_go_to_every_worker():
     args, worker = parse_router_args(
-        ["--workers", "3", "--policy", "round_robin", "--attention-backend", "dualdecoder", "--max-total-tokens", "8192"]
+        [
+            "--workers",
+            "3",
+            "--policy",
+            "round_robin",
+            "--attention-backend",
+            "dualdecoder",
+            "--max-total-tokens",
+            "8192",
+        ]
     )
     assert (args.workers, args.policy) == (3, "round_robin")
     assert worker == ["--attention-backend", "dualdecoder", "--max-total-tokens", "8192"]
@@ -88,7 +97,12 @@ def test_worker_urls_take_no_worker_flags():
 
 @pytest.mark.parametrize(
     ("argv", "n"),
-    [([], 1), (["--dp-size", "2"], 2), (["--tp", "3", "--dp-size=2"], 6), (["--pp-size", "2", "--tp-size", "2"], 4)],
+    [
+        ([], 1),
+        (["--dp-size", "2"], 2),
+        (["--tp", "3", "--dp-size=2"], 6),
+        (["--pp-size", "2", "--tp-size", "2"], 4),
+    ],
 )
 def test_parallel_ranks(argv, n):
     assert parallel_ranks(argv) == n

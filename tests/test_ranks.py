@@ -156,7 +156,11 @@ def test_critical_sets_on_a_tp_shard_equal_the_full_models_per_kv_head(name, tp)
     hq, hkv = HQ // tp, HKV // tp
     for rank in range(tp):
         shard = make_selector(name).select(
-            q[:, rank * hq : (rank + 1) * hq].contiguous(), loc, k, host[:, rank * hkv : (rank + 1) * hkv], D**-0.5
+            q[:, rank * hq : (rank + 1) * hq].contiguous(),
+            loc,
+            k,
+            host[:, rank * hkv : (rank + 1) * hkv],
+            D**-0.5,
         )
         assert shard.positions.shape == (len(lens), hkv, k)
         for r in range(len(lens)):

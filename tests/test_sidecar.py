@@ -35,7 +35,9 @@ def test_metrics_and_stats_merge_processes(tmp_path):
     assert 'dd_dualpath_requests{dp_rank="0",state="DENSE"} 4.0' in text
     stats = client.get("/stats").json()
     assert stats["preset"] == "t"
-    assert stats["metrics"]["dd_device_kv_used_bytes"] == [{"labels": {"dp_rank": "0"}, "value": 2 * 7 * 23040.0}]
+    assert stats["metrics"]["dd_device_kv_used_bytes"] == [
+        {"labels": {"dp_rank": "0"}, "value": 2 * 7 * 23040.0}
+    ]
 
 
 def test_healthz_503_when_sglang_unreachable(tmp_path):

@@ -44,7 +44,9 @@ LABELLED_PREFIX = "dd_"
 _registered: set[int] = set()
 
 
-def register_process(multiproc_dir: str | None, dp_rank: int, tp_rank: int = 0, pid: int | None = None) -> bool:
+def register_process(
+    multiproc_dir: str | None, dp_rank: int, tp_rank: int = 0, pid: int | None = None
+) -> bool:
     """Record that process ``pid`` (default: this one) is DP rank ``dp_rank``, TP rank ``tp_rank``.
 
     Writes ``<multiproc_dir>/dd_rank_<pid>.json`` once per pid; a no-op without a folder.
