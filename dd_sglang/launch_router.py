@@ -68,11 +68,14 @@ SHUTDOWN_GRACE_S = 60.0
 #: Seconds between the gateway's health checks of each worker (smg's default is 60).
 HEALTH_CHECK_INTERVAL_S = 5
 #: smg's flags set here unless given through ``--smg-arg``: health checks often enough that a dead
-#: worker leaves the routing table within seconds; two failed checks mark it unhealthy.
+#: worker leaves the routing table within seconds (two failed checks mark it unhealthy); and no
+#: cache hit diverted to a "thin" worker to warm it (smg diverts one hit in 8 by default): with
+#: the host tier a hit is a long prefix reloaded instead of recomputed, worth more than warming.
 SMG_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
     ("--health-failure-threshold", "2"),
     ("--health-check-timeout-secs", "5"),
+    ("--worker-warmup-divert-every", "0"),
 )
 #: Worker flags the router assigns itself.
 RESERVED_WORKER_FLAGS = ("--port", "--metrics-port", "--host", "--metrics-host")
