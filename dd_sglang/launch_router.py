@@ -36,7 +36,8 @@ Start-up, in order:
    answers ``/health`` (``--start-timeout-s``); a worker that exits during
    start-up stops everything (exit 1).
 4. Start ``smg`` with ``--worker-urls`` of the workers, ``--policy``, its
-   Prometheus port, and health checks every :data:`HEALTH_CHECK_INTERVAL_S` s.
+   Prometheus port, and :data:`SMG_DEFAULTS` (health checks of ``/ready``
+   every :data:`HEALTH_CHECK_INTERVAL_S` s).
 5. Supervise: a worker that dies is logged and left out (the gateway routes
    around it: its health checks and transport failures exclude it); if
    ``smg`` exits, everything stops (exit 1).
@@ -67,11 +68,17 @@ logger = logging.getLogger("dd_sglang.launch_router")
 SHUTDOWN_GRACE_S = 60.0
 #: Seconds between the gateway's health checks of each worker (smg's default is 60).
 HEALTH_CHECK_INTERVAL_S = 5
-#: smg's flags set here unless given through ``--smg-arg``: health checks often enough that a dead
-#: worker leaves the routing table within seconds (two failed checks mark it unhealthy); and no
-#: cache hit diverted to a "thin" worker to warm it (smg diverts one hit in 8 by default): with
-#: the host tier a hit is a long prefix reloaded instead of recomputed, worth more than warming.
+#: smg's flags set here unless given through ``--smg-arg``:
+#:
+#: * health checks on SGLang's ``/ready`` (answered by its HTTP server) every few seconds, two
+#:   failures marking a worker unhealthy: a dead worker refuses connections and leaves the routing
+#:   table within seconds. smg's default, ``/health``, makes SGLang run a one-token generation that
+#:   waits behind the running batch: a worker busy with a long prefill misses smg's 5 s timeout
+#:   and loses its sessions to another worker;
+#: * no cache hit diverted to a "thin" worker to warm it (smg diverts one hit in 8 by default):
+#:   with the host tier a hit is a long prefix reloaded instead of recomputed.
 SMG_DEFAULTS: tuple[tuple[str, str], ...] = (
+    ("--health-check-endpoint", "/ready"),
     ("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
     ("--health-failure-threshold", "2"),
     ("--health-check-timeout-secs", "5"),
