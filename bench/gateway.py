@@ -14,6 +14,7 @@ import httpx
 import psutil
 
 from bench.server import ROOT, free_port, scrape
+from dd_sglang.launch_router import healthy_workers
 
 #: SGLang's counter of finished requests (tokenizer manager), read from each worker's sidecar.
 REQUESTS_SERIES = "sglang:num_requests_total"
@@ -170,7 +171,7 @@ def start_gateway(
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode} during start-up:\n{gw.log_tail()}")
-        if gateway_workers(gw.url) >= len(worker_urls):
+        if healthy_workers(gw.url) >= len(worker_urls):
             break
         if time.monotonic() - t0 > timeout:
             gw.stop()
@@ -178,16 +179,3 @@ def start_gateway(
         time.sleep(1.0)
     gw.start_seconds = time.monotonic() - t0
     return gw
-
-
-def gateway_workers(url: str) -> int:
-    """Healthy workers smg lists at ``GET /workers`` (0 while the gateway is not up)."""
-    try:
-        r = httpx.get(f"{url}/workers", timeout=5)
-    except httpx.HTTPError:
-        return 0
-    if r.status_code != 200:
-        return 0
-    data = r.json()
-    workers = data.get("workers", data) if isinstance(data, dict) else data
-    return sum(1 for w in workers if isinstance(w, dict) and w.get("is_healthy", True))

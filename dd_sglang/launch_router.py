@@ -193,6 +193,25 @@ def _wait_healthy(workers: list[Worker], timeout: float, stop: threading.Event) 
     return None
 
 
+def healthy_workers(gateway_url: str, timeout: float = 5.0) -> int:
+    """Workers smg routes to now: those ``GET /workers`` lists with ``is_healthy`` (0 while it is not up)."""
+    try:
+        r = httpx.get(f"{gateway_url}/workers", timeout=timeout)
+    except httpx.HTTPError:
+        return 0
+    if r.status_code != 200:
+        return 0
+    workers = r.json().get("workers", [])
+    return sum(1 for w in workers if isinstance(w, dict) and w.get("is_healthy") is True)
+
+
+def _announce_when_ready(url: str, n: int, stop: threading.Event, t0: float) -> None:
+    while not stop.wait(1.0):
+        if healthy_workers(url) >= n:
+            logger.info("ready in %.1f s: gateway %s routing to %d workers", time.monotonic() - t0, url, n)
+            return
+
+
 def _stop(procs: list[subprocess.Popen], grace: float = SHUTDOWN_GRACE_S) -> None:
     """SIGTERM every live process, then SIGKILL those alive after ``grace`` seconds."""
     live = [p for p in procs if p.poll() is None]
@@ -253,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     received: list[int] = []
+    t_start = time.monotonic()
 
     def on_signal(signum, _frame):
         received.append(signum)
@@ -280,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = smg_command(args, [w.url for w in workers])
     logger.info("starting smg: %s", " ".join(cmd))
     gateway = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup)
+    gateway_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    threading.Thread(
+        target=_announce_when_ready, args=(gateway_url, len(workers), stop, t_start), daemon=True
+    ).start()
     rc = 0
     while not stop.wait(0.5):
         if gateway.poll() is not None:
