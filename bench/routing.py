@@ -1,9 +1,9 @@
 """Cached tokens of a chat session's second turn behind ``smg``: ``cache_aware`` vs ``round_robin``.
 
-``python -m bench.routing [--sessions 8] [--turn-tokens 3000] [--cap 7168]``
+``python -m bench.routing [--sessions 8] [--turn-tokens 1500] [--cap 4096]``
 
 Two ``dualdecoder`` workers (device pools of ``--cap`` tokens each, so a
-worker's device holds about two ~3k-token turns) behind two gateways started
+worker's device holds about one turn 2 and one turn 1 of ~1.5k tokens each) behind two gateways started
 side by side in front of the same workers: ``cache_aware`` and
 ``round_robin``. For each policy, ``--sessions`` two-turn chat sessions
 (turn 1: ~``--turn-tokens`` tokens with a pass key; turn 2: turn 1, its
@@ -133,9 +133,9 @@ def summarize(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turn-tokens", type=int, default=3000)
-    ap.add_argument("--cap", type=int, default=7168, help="device KV pool per worker (tokens)")
-    ap.add_argument("--host-tier-bytes", type=int, default=512 * 1024**2)
+    ap.add_argument("--turn-tokens", type=int, default=1500, help="~tokens per user turn (>= min_sparse_len 1024)")
+    ap.add_argument("--cap", type=int, default=4096, help="device KV pool per worker (tokens)")
+    ap.add_argument("--host-tier-bytes", type=int, default=384 * 1024**2, help="per worker")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULT)
     args = ap.parse_args(argv)
