@@ -151,4 +151,7 @@ def test_killing_a_worker_routes_new_sessions_to_the_other(gateway, tokenizer):
     assert gw.requests_served()[survivor] - before == 4
     assert time.monotonic() - t0 < 300
     assert gw.proc.poll() is None, "the router must keep serving with one worker"
+    deadline = time.monotonic() + 30  # the router notices the worker's launcher exit within a few seconds
+    while f"worker {victim} (" not in gw.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert f"worker {victim} (" in gw.log_path.read_text() and "routes around it" in gw.log_path.read_text()
