@@ -30,7 +30,8 @@ Start-up, in order:
    ``--port``/``--metrics-port``/``--host`` are refused (exit 2): the router
    assigns them (``--worker-base-port + i``, ``--metrics-base-port + i``, the
    router's ``--worker-host``).
-2. Check every port is free (exit 2 if not).
+2. Check every port is free and that smg's own parser accepts ``--policy``
+   and the ``--smg-arg`` flags (exit 2 if not).
 3. Start the N workers at once (each a launcher in its own session, told to
    stop with this process: ``PR_SET_PDEATHSIG``) and wait until every one
    answers ``/health`` (``--start-timeout-s``); a worker that exits during
@@ -253,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             for i in range(args.workers)
         ]
+    from smg.launch_router import parse_router_args as smg_parse_args
+
+    try:  # smg's own parser checks --policy and every --smg-arg before any worker starts
+        smg_parse_args(smg_command(args, [w.url for w in workers])[3:])
+    except SystemExit:
+        return _fail("smg refused its flags (its message is above): check --policy and --smg-arg")
+
     ports = [("--port", args.host, args.port), ("--router-metrics-port", args.host, args.router_metrics_port)]
     if not args.worker_urls:
         for w in workers:

@@ -89,6 +89,12 @@ def test_busy_port_is_refused_before_anything_starts():
     assert "not available" in r.stderr or "must be in" in r.stderr
 
 
+def test_bad_policy_is_refused_by_smgs_parser_before_workers_start():
+    r = _run("--policy", "fastest", "--workers", "1")
+    assert r.returncode == 2
+    assert "invalid choice: 'fastest'" in r.stderr and "smg refused its flags" in r.stderr
+
+
 def test_worker_urls_take_no_worker_flags():
     r = _run("--worker-urls", "http://127.0.0.1:30010", "--max-total-tokens", "8192")
     assert r.returncode == 2
