@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -41,8 +42,15 @@ class ServerProcess:
     log_path: Path
     max_total_tokens: int
     start_seconds: float = 0.0
+    #: The model and KV dtype SGLang resolved (``/server_info``), e.g. ``"float32"``.
+    dtype: str = "bfloat16"
     peak_rss_bytes: int = 0
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one KV element (the KV cache follows the model dtype here)."""
+        return {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2}[self.dtype]
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -145,4 +153,10 @@ def start_server(
             raise RuntimeError(f"server not healthy after {timeout} s:\n{srv.log_tail()}")
         time.sleep(0.5)
     srv.start_seconds = time.monotonic() - t0
+    info = httpx.get(f"{srv.url}/server_info", timeout=30).json()
+    dtype = info.get("dtype", "auto")
+    if dtype == "auto":  # the checkpoint's dtype
+        cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    srv.dtype = str(dtype).replace("torch.", "")
     return srv

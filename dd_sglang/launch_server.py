@@ -158,6 +158,22 @@ def build_sglang_argv(
     return out
 
 
+def with_cpu_dtype(argv: list[str], cpu: bool) -> list[str]:
+    """``argv`` plus ``--dtype`` chosen by the CPU platform when ``cpu`` and the user gave none.
+
+    The choice (:func:`dd_sglang.platform.cpu.default_dtype`: bf16 with native bf16 matrix
+    instructions, else float32, measured faster there) is logged once.
+    """
+    if not cpu or has_flag(argv, "--dtype"):
+        return list(argv)
+    from dd_sglang.platform.cpu import NATIVE_BF16_FLAGS, default_dtype, native_bf16
+
+    dtype = default_dtype()
+    logger.info("dd_sglang: this CPU %s native bf16 (%s): --dtype %s (give --dtype to override)",
+                "has" if native_bf16() else "lacks", "/".join(sorted(NATIVE_BF16_FLAGS)), dtype)  # fmt: skip
+    return [*argv, "--dtype", dtype]
+
+
 #: SGLang's CPU thread-binding variable (``sglang/srt/utils/numa_utils.py: init_threads_binding``).
 CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
@@ -313,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     from dd_sglang.platform import activate
 
     cpu = activate() is not None
+    sglang_argv = with_cpu_dtype(sglang_argv, cpu)
     full_argv = build_sglang_argv(cfg, sglang_argv, model_path, cpu=cpu, served_name=served_name)
     try:
         ranks = parallel_ranks(full_argv)

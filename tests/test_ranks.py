@@ -28,6 +28,7 @@ from dd_sglang.kvcache.host_pool import HostSparseKVPool
 from dd_sglang.kvcache.ranks import RankInfo, current_ranks, host_tier_share
 from dd_sglang.metrics.backend_events import MetricsEvents
 from dd_sglang.metrics.sidecar import create_app
+from dd_sglang.prefetch.index import KeyBlockIndex, row_blocks
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
 from tests.test_sparse_runtime import FakeAllocator, FakeTree
 from tests.test_sparse_runtime import params as sparse_params
@@ -140,32 +141,45 @@ def test_tp_ranks_host_tiers_hold_their_own_kv_heads():
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 @pytest.mark.parametrize("tp", [1, 3])
 def test_critical_sets_on_a_tp_shard_equal_the_full_models_per_kv_head(name, tp):
-    """Rank r of tp holds query heads [r*Hq/tp, (r+1)*Hq/tp) and KV heads [r*Hkv/tp, ...): its selection
-    for local KV head h is the full model's selection for KV head r*Hkv/tp + h."""
+    """Rank r of tp holds query heads [r*Hq/tp, (r+1)*Hq/tp) and KV heads [r*Hkv/tp, ...) of every
+    token, and its own block index over them: its selection for local KV head h is the full model's
+    selection for KV head r*Hkv/tp + h."""
     g = torch.Generator().manual_seed(7)
-    lens = [300, 40, 129]
-    q = torch.randn(len(lens), HQ, D, generator=g)
-    host = torch.randn(sum(lens) + 5, HKV, D, generator=g)
-    perm = torch.randperm(sum(lens) + 5, generator=g)
-    loc, start = [], 0
-    for n in lens:
-        loc.append(perm[start : start + n])
+    d, page, lens, his, k = 16, 64, [600, 300], [560, 260], 24
+    need = [-(-n // page) for n in lens]
+    n_pages = sum(need) + 2
+    host_k = torch.randn(LAYERS, n_pages * page, HKV, d, generator=g)
+    order = torch.randperm(n_pages, generator=g).tolist()
+    slots, start = [], 0
+    for n in need:  # shuffled whole pages, as HostSparseKVPool allocates
+        slots.append(torch.cat([torch.arange(p * page, (p + 1) * page) for p in order[start : start + n]]))
         start += n
-    k = 32
-    full = make_selector(name).select(q, loc, k, host, D**-0.5)
+    rows = row_blocks(slots, [4, 4], his, [torch.arange(4), torch.arange(4)])
+    q = torch.randn(len(lens), HQ, d, generator=g)
+
+    def select(q_, host_k_):
+        index = KeyBlockIndex(host_k_)
+        for sl, n in zip(slots, lens, strict=True):
+            index.update(sl, 0, n)
+        return make_selector(name).select(q_, rows, host_k_[1], k, d**-0.5, index, 1)
+
+    full_pos, full_slots = select(q, host_k)
     hq, hkv = HQ // tp, HKV // tp
     for rank in range(tp):
-        shard = make_selector(name).select(
+        pos, sl = select(
             q[:, rank * hq : (rank + 1) * hq].contiguous(),
-            loc,
-            k,
-            host[:, rank * hkv : (rank + 1) * hkv],
-            D**-0.5,
+            host_k[:, :, rank * hkv : (rank + 1) * hkv].contiguous(),
         )
-        assert shard.positions.shape == (len(lens), hkv, k)
+        assert pos.shape == (len(lens), hkv, k)
         for r in range(len(lens)):
             for h in range(hkv):
-                assert shard.as_sets(r, h) == full.as_sets(r, rank * hkv + h), (name, rank, r, h)
+                assert set(pos[r, h].tolist()) == set(full_pos[r, rank * hkv + h].tolist()), (
+                    name,
+                    rank,
+                    r,
+                    h,
+                )
+                assert set(sl[r, h].tolist()) == set(full_slots[r, rank * hkv + h].tolist())
 
 
 # ---------------------------------------------------------------- metrics
@@ -196,16 +210,20 @@ class _Counter:
 def _fake_metrics():
     names = ["SPARSE_DECODE_ROWS", "PREFETCH_COLD", "PREFETCH_HITS", "PREFETCH_LOOKUPS", "PREFETCH_MASS_PREFETCHED",
              "PREFETCH_MASS_TOP_K", "PREFETCH_LAYER_HIT_RATE", "SPEC_PROPOSED", "SPEC_ACCEPTED", "PREFETCH_MISSES",
-             "PREFETCH_REPAIRED_TOKENS"]  # fmt: skip
+             "PREFETCH_REPAIRED_TOKENS", "TRANSFER_BYTES", "STEP_PHASE_SECONDS", "DECODE_STEPS",
+             "DECODE_STEP_SECONDS"]  # fmt: skip
     return SimpleNamespace(**{n: _Counter() for n in names})
 
 
 def _replay(events: MetricsEvents) -> None:
     events.sparse_rows(30)
-    events.cold("spec_host")
+    events.cold("spec_host", 2)
     events.prefetch("spec_host", "dual_token", 3, hits=200, lookups=256, mass_prefetched=0.9, mass_top_k=1.0)
     events.speculation("dual_token", accepted=True)
-    events.miss("repair", repaired_tokens=5)
+    events.miss("repair", 3, repaired_tokens=5)
+    events.copied(4096)
+    events.phase("select", 0.25)
+    events.step("sparse", 0.5)
 
 
 def test_request_level_events_count_once_per_replica():
@@ -214,13 +232,17 @@ def test_request_level_events_count_once_per_replica():
     _replay(MetricsEvents(primary=True, metrics=m))
     _replay(MetricsEvents(primary=False, metrics=m))
     assert m.SPARSE_DECODE_ROWS.values == {(): 30}
-    assert m.PREFETCH_COLD.values == {(("selector", "spec_host"),): 1}
+    assert m.PREFETCH_COLD.values == {(("selector", "spec_host"),): 2}
     assert m.SPEC_PROPOSED.values == {(("speculator", "dual_token"),): 1}
     assert m.SPEC_ACCEPTED.values == {(("speculator", "dual_token"),): 1}
-    assert m.PREFETCH_MISSES.values == {(("policy", "repair"),): 1}
+    assert m.PREFETCH_MISSES.values == {(("policy", "repair"),): 3}
+    assert m.STEP_PHASE_SECONDS.values == {(("phase", "select"),): 0.25}
+    assert m.DECODE_STEPS.values == {(("kind", "sparse"),): 1}
+    assert m.DECODE_STEP_SECONDS.values == {(("kind", "sparse"),): 0.5}
     lab = (("selector", "spec_host"), ("speculator", "dual_token"))
     assert m.PREFETCH_HITS.values == {lab: 400} and m.PREFETCH_LOOKUPS.values == {lab: 512}
     assert m.PREFETCH_REPAIRED_TOKENS.values == {(): 10}
+    assert m.TRANSFER_BYTES.values == {(): 8192}
 
 
 WRITER = """

@@ -1,6 +1,7 @@
 """Prometheus receiver of the ``dualdecoder`` attention backend's events.
 
 Implements the methods of :class:`dd_sglang.attention.backend.BackendEvents`
+(and of :class:`dd_sglang.prefetch.runner.PrefetchEvents`, which it extends)
 (by name; no import of the attention layer) with the metrics of
 :mod:`dd_sglang.metrics.definitions`. Lives in the scheduler process, where
 ``PROMETHEUS_MULTIPROC_DIR`` is set before SGLang starts.
@@ -13,11 +14,12 @@ class MetricsEvents:
     """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_prefetch_*``,
     ``dd_spec_*`` and ``dd_transfer_*``.
 
-    With tensor parallelism every TP rank of a replica runs the same requests over its own KV
-    heads. Per-(request, layer) and per-step counts (sparse rows, cold steps, misses,
-    speculation) are then written by the attention-TP rank 0 only (``primary``), so they count
-    each request once; per-KV-head sums (prefetch hits, lookups, mass, repaired tokens) and
-    each rank's own copy timings are written by every rank and add up.
+    With tensor parallelism every TP rank of a replica runs the same requests and steps over its
+    own KV heads. Per-(request, layer) and per-step counts and step times (sparse rows, cold
+    steps, misses, speculation, decode steps and their phases) are then written by the
+    attention-TP rank 0 only (``primary``), so they count each request and step once; per-KV-head
+    sums (prefetch hits, lookups, mass, repaired tokens, bytes copied) and each rank's own copy
+    timings are written by every rank and add up.
 
     Args:
         primary: this process counts request-level events (default: from SGLang's ranks,
@@ -39,9 +41,9 @@ class MetricsEvents:
         if self.primary:
             self.m.SPARSE_DECODE_ROWS.inc(n)
 
-    def cold(self, selector: str) -> None:
+    def cold(self, selector: str, n: int) -> None:
         if self.primary:
-            self.m.PREFETCH_COLD.labels(selector=selector).inc()
+            self.m.PREFETCH_COLD.labels(selector=selector).inc(n)
 
     def prefetch(self, selector, speculator, layer, hits, lookups, mass_prefetched, mass_top_k) -> None:
         m, lab = self.m, {"selector": selector, "speculator": speculator}
@@ -58,11 +60,23 @@ class MetricsEvents:
         if accepted:
             self.m.SPEC_ACCEPTED.labels(speculator=speculator).inc()
 
-    def miss(self, policy: str, repaired_tokens: int) -> None:
+    def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
         if self.primary:
-            self.m.PREFETCH_MISSES.labels(policy=policy).inc()
+            self.m.PREFETCH_MISSES.labels(policy=policy).inc(n)
         if repaired_tokens:
             self.m.PREFETCH_REPAIRED_TOKENS.inc(repaired_tokens)
+
+    def copied(self, nbytes: int) -> None:
+        self.m.TRANSFER_BYTES.inc(nbytes)
+
+    def phase(self, name: str, seconds: float) -> None:
+        if self.primary:
+            self.m.STEP_PHASE_SECONDS.labels(phase=name).inc(seconds)
+
+    def step(self, kind: str, seconds: float) -> None:
+        if self.primary:
+            self.m.DECODE_STEPS.labels(kind=kind).inc()
+            self.m.DECODE_STEP_SECONDS.labels(kind=kind).inc(seconds)
 
     def transfer(self, timings) -> None:
         m = self.m

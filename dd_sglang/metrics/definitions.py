@@ -66,8 +66,8 @@ SPARSE_REQUEST_DEVICE_TOKENS_MAX = Gauge(
 )
 CRITICAL_SET_BUFFER_BYTES = Gauge(
     "dd_critical_set_buffer_bytes",
-    "Device bytes holding critical-set K/V in the last sparse decode step: the layer ring (lookahead "
-    "selectors) plus one layer's synchronous gather (other selectors, misses repaired).",
+    "Device bytes holding critical-set K/V in the last sparse decode step: the critical-set and repair "
+    "columns of the layer ring (part of dd_layer_ring_buffer_bytes).",
     multiprocess_mode="livesum",
 )
 HBM_USED_BYTES = Gauge(
@@ -161,15 +161,46 @@ TRANSFER_HIDDEN_SECONDS = Counter(
 )
 LAYER_RING_BUFFER_BYTES = Gauge(
     "dd_layer_ring_buffer_bytes",
-    "Device bytes of the layer ring holding prefetched critical-set K/V (prefetch.depth + 1 layer slots).",
+    "Device bytes of the layer ring: the sparse rows' attention K/V (resident, critical set, repair, "
+    "speculated token) for the layers in flight (prefetch.depth + 1 layer slots).",
     multiprocess_mode="livesum",
 )
 SELECTOR_AUX_BYTES = Gauge(
     "dd_selector_aux_bytes",
-    "Device bytes kept only to choose critical sets (auxiliary state), by selector: quest_device's page "
-    "summaries; 0 for spec_host, recency and oracle.",
+    "Device bytes kept only to choose critical sets (auxiliary state), by selector: quest_device's key-block "
+    "summaries; 0 for spec_host (its index is in host memory), spec_host_exact, recency and oracle.",
     ["selector"],
     multiprocess_mode="livesum",
+)
+HOST_INDEX_BYTES = Gauge(
+    "dd_host_index_bytes",
+    "Host-memory bytes of the key-block index (min/max key summaries per 16-token block) spec_host ranks "
+    "blocks with: 1/16 of the host tier's bytes once any spec_host request ran.",
+    multiprocess_mode="livesum",
+)
+TRANSFER_BYTES = Counter(
+    "dd_transfer_bytes",
+    "Critical-set K/V bytes gathered from the host tier into the layer ring (copies ahead, synchronous "
+    "selections and repairs). Per step = this / dd_decode_steps_total{kind=\"sparse\"}.",
+)
+STEP_PHASE_SECONDS = Counter(
+    "dd_step_phase_seconds",
+    "Decode forward time by phase, summed: plan (building the step plan), select (choosing critical sets on "
+    "the forward thread: cold starts, synchronous selectors, repairs), assemble (resident gather and attention "
+    "inputs), attention (dense and sparse attention calls), select_ahead (next-step selection on the select "
+    "worker, off the forward thread). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
+    ["phase"],
+)
+DECODE_STEPS = Counter(
+    "dd_decode_steps",
+    "Decode forwards run by the dualdecoder backend, by kind: sparse (had sparse rows) or dense.",
+    ["kind"],
+)
+DECODE_STEP_SECONDS = Counter(
+    "dd_decode_step_seconds",
+    "Wall time of decode forwards (from planning to the logits), summed, by kind. Mean step time = this / "
+    "dd_decode_steps_total.",
+    ["kind"],
 )
 PREFETCH_LAYER_HIT_RATE = Histogram(
     "dd_prefetch_layer_hit_rate",
