@@ -133,9 +133,13 @@ def summarize(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turn-tokens", type=int, default=1500, help="~tokens per user turn (>= min_sparse_len 1024)")
+    ap.add_argument(
+        "--turn-tokens", type=int, default=1500, help="~tokens per user turn (>= min_sparse_len 1024)"
+    )
     ap.add_argument("--cap", type=int, default=4096, help="device KV pool per worker (tokens)")
-    ap.add_argument("--host-tier-bytes", type=int, default=384 * 1024**2, help="per worker")
+    ap.add_argument(
+        "--host-tier-bytes", type=int, default=768 * 1024**2, help="per worker (17k float32 tokens)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULT)
     args = ap.parse_args(argv)
