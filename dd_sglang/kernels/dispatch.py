@@ -69,7 +69,7 @@ class SparseAttention:
 
     def _choose(self, impl: str, max_rows: int) -> tuple[str, str]:
         if impl == "torch":
-            return "torch", f"{ENV_VAR}=torch requested"
+            return "torch", "impl 'torch' requested"
         if self.device.type != "cuda":
             if impl == "flashinfer":
                 raise ValueError(f"sparse attention impl 'flashinfer' needs a CUDA device, got {self.device}")
