@@ -29,7 +29,8 @@ What it measures (bf16, each part timed with CUDA events, medians):
     sparse call (both query positions, 132 resident + 2048 + 1 columns) against
     one dense decode call over 32,768 tokens (FlashInfer's paged decode,
     page_size 16, the kernel SGLang's dense decode uses; PyTorch SDPA when
-    FlashInfer is absent).
+    FlashInfer is absent). Also timed: the real query alone (one position),
+    what reading K/V once per (row, head) would approach.
 (c) **Full sparse layer step** (batch 8, same shape): gather the critical set
     from a pinned host tier (the runner's way: ``index_select`` on the host,
     pin, async copy into the layer ring slot; and, with CuPy, a zero-copy GPU
@@ -219,7 +220,12 @@ def part_sparse_vs_dense(att, device, dtype, batches, context, top_k, use_fi, it
         scale = head_dim**-0.5
         att.plan(mask, HKV, group, cap, dtype, device, head_dim)
         sparse_ms = timed(lambda q=q, k=keys, v=values, s=scale: att.run(q, k, v, s), device, iters)
-        del q, keys, values, mask
+        # The real query alone (one request per row and head): what reading K/V once per
+        # (row, head) would approach (module docstring of flashinfer_decode, "Not built").
+        q1 = q[:, :, :group].contiguous()
+        att.plan(mask[:, :1].contiguous(), HKV, group, cap, dtype, device, head_dim)
+        one_ms = timed(lambda q=q1, k=keys, v=values, s=scale: att.run(q, k, v, s), device, iters)
+        del q, q1, keys, values, mask
         dense = DenseAttention(rows, HKV, group, head_dim, context, device, dtype, gen, use_fi)
         dense_ms = timed(dense, device, iters)
         columns = N_RES + top_k + 1
@@ -227,6 +233,8 @@ def part_sparse_vs_dense(att, device, dtype, batches, context, top_k, use_fi, it
         out.append({
             "batch": rows, "sparse_ms": sparse_ms, "dense_ms": dense_ms, "dense_kernel": dense.kind,
             "speedup": dense_ms / sparse_ms if sparse_ms > 0 else None,
+            "sparse_one_position_ms": one_ms,
+            "speedup_one_position": dense_ms / one_ms if one_ms > 0 else None,
             "sparse_kv_bytes": 2 * rows * HKV * 2 * columns * head_dim * item,  # two positions
             "dense_kv_bytes": rows * HKV * context * head_dim * 2 * item,
         })  # fmt: skip
@@ -438,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     gen = (torch.Generator().manual_seed(0), torch.Generator(device=device).manual_seed(0))
     env = environment(device)
+    if args.dry_run:
+        env["note"] = ("dry run: CPU, tiny shapes, the PyTorch reference on both sides of every comparison; "
+                       "it checks that the check runs and writes this file, its timings mean nothing")  # fmt: skip
     result = {"benchmark": "bench.gpu_check: FlashInfer sparse decode vs reference; sparse vs dense; layer step",
               "dry_run": args.dry_run, "environment": env}  # fmt: skip
     out_path = Path(
