@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dd_sglang.kernels.dispatch import SparseAttention
-from dd_sglang.kernels.flashinfer_decode import paged_kv_indices
+from dd_sglang.kernels.flashinfer_decode import FlashInferSparseDecode, paged_kv_indices
 from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention, unfold_gqa
 
 # Two rows, two query positions, four columns, two KV heads, ring column capacity five.
@@ -71,12 +71,12 @@ def test_bad_inputs_are_refused_with_the_field_named():
         paged_kv_indices(MASK, 2, 5, indptr=torch.zeros(20, dtype=torch.int64))
 
 
-def _step(r, hkv, g, n, cap, d, seed=0):
+def _step(r, hkv, g, n, cap, d, seed=0, dtype=torch.float32):
     """Random step: a ring slot with column capacity ``cap`` (views [:, :, :n]), a plan-shaped mask
     (resident prefix, per-row critical length, the speculated column for some rows)."""
     gen = torch.Generator().manual_seed(seed)
-    slot_k = torch.randn(r + 1, hkv, cap, d, generator=gen)  # one spare row: a slot of a larger ring
-    slot_v = torch.randn(r + 1, hkv, cap, d, generator=gen)
+    slot_k = torch.randn(r + 1, hkv, cap, d, generator=gen).to(dtype)  # a spare row: a larger ring's slot
+    slot_v = torch.randn(r + 1, hkv, cap, d, generator=gen).to(dtype)
     keys, values = slot_k[:r, :, :n], slot_v[:r, :, :n]
     mask = torch.zeros(r, 2, n, dtype=torch.bool)
     for i in range(r):
@@ -84,7 +84,7 @@ def _step(r, hkv, g, n, cap, d, seed=0):
         mask[i, :, :k] = True
         if i % 2 == 0:
             mask[i, 1, n - 1] = True
-    q = fold_gqa(torch.randn(r, 2, hkv * g, d, generator=gen), hkv)
+    q = fold_gqa(torch.randn(r, 2, hkv * g, d, generator=gen), hkv).to(dtype)
     return q, keys, values, mask
 
 
@@ -93,8 +93,11 @@ def _emulate(q, keys, values, mask, scale, cap):
     indices[indptr[b]:indptr[b+1]] of the ring slot viewed as one-token pages."""
     r, hkv, nq, d = q.shape
     indptr, indices, _ = paged_kv_indices(mask, hkv, cap)
-    kp = keys.as_strided((r * hkv * cap, d), (d, 1))  # page p -> [D]
-    vp = values.as_strided((r * hkv * cap, d), (d, 1))
+    n = keys.shape[2]
+    kp = torch.zeros(r, hkv, cap, d, dtype=torch.float64)  # page p = (r * hkv + h) * cap + c -> [D]
+    vp = torch.zeros_like(kp)
+    kp[:, :, :n], vp[:, :, :n] = keys, values
+    kp, vp = kp.view(-1, d), vp.view(-1, d)
     qb = q.reshape(r * hkv * 2, nq // 2, d)
     out = torch.zeros_like(qb, dtype=torch.float64)
     for b in range(qb.shape[0]):
@@ -147,6 +150,65 @@ def test_dispatch_refuses_bad_choices_with_the_field_named(monkeypatch):
         att.run(torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), 1.0)
     with pytest.raises(ValueError, match="columns must be"):
         att.plan(MASK, 2, 1, 3, torch.float32, "cpu")
+
+
+class EmulatedWrapper:
+    """``BatchDecodeWithPagedKVCacheWrapper``'s documented contract on the CPU, request by request
+    (float64): checks the arguments it is given and computes what the kernel would."""
+
+    def __init__(self, workspace, tensor_cores):
+        self.tensor_cores, self.plans, self.runs = tensor_cores, [], 0
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+             q_data_type, kv_data_type):  # fmt: skip
+        assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
+        assert indptr.numel() == last_page_len.numel() + 1 and (num_kv_heads, page_size) == (1, 1)
+        self.plans.append((indptr.clone(), indices.clone(), last_page_len.clone(), num_qo_heads, head_dim))
+        self.dtypes = (q_data_type, kv_data_type)
+
+    def run(self, q, paged_kv_cache, out=None, q_scale=None):
+        indptr, indices, last, g, d = self.plans[-1]
+        k, v = paged_kv_cache
+        assert k.shape[1:] == (1, 1, d) and k.stride()[-1] == 1 and q.shape == (last.numel(), g, d)
+        assert out is not None and out.shape == q.shape and (q.dtype, k.dtype) == self.dtypes
+        sm = d**-0.5 * (1.0 if q_scale is None else q_scale)
+        for b in range(q.shape[0]):
+            pages = indices[indptr[b] : indptr[b + 1]].long()
+            assert pages.numel() == 0 or last[b] == 1  # page_size 1: the last page holds one token
+            w = torch.softmax(q[b].double() @ k[pages, 0, 0].double().T * sm, dim=-1)
+            out[b] = (w @ v[pages, 0, 0].double()).to(out.dtype)
+        self.runs += 1
+        return out
+
+
+@pytest.mark.parametrize("g,tell_shape", [(1, True), (3, False), (4, True), (8, False)])
+def test_flashinfer_glue_against_an_emulated_kernel_equals_the_reference(g, tell_shape):
+    wrappers = []
+
+    def factory(workspace, tc):
+        wrappers.append(EmulatedWrapper(workspace, tc))
+        return wrappers[-1]
+
+    fi = FlashInferSparseDecode("cpu", workspace_bytes=16, wrapper_factory=factory)
+    r, hkv, n, cap, d = 3, 2, 11, 16, 64
+    q, keys, values, mask = _step(r, hkv, g, n, cap, d, seed=g, dtype=torch.bfloat16)
+    scale = 0.5 * d**-0.5
+    want = _emulate(q, keys, values, mask, scale, cap)
+    for _ in range(2):  # two steps, two layers each
+        fi.plan(mask, hkv, cap, torch.bfloat16, g if tell_shape else None, d if tell_shape else None)
+        for _ in range(2):
+            got = fi.run(q, keys, values, scale)
+            torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    assert [w.tensor_cores for w in wrappers] == [g >= 4]  # one wrapper, built once
+    assert wrappers[0].runs == 4 and len(wrappers[0].plans) == 2  # FlashInfer planned once per step
+    assert fi.group == g and fi.head_dim == d
+    indptr, indices, last, _, _ = wrappers[0].plans[-1]
+    want_ptr, want_idx, want_last = paged_kv_indices(mask, hkv, cap)
+    assert torch.equal(indptr, want_ptr) and torch.equal(last, want_last)
+    assert torch.equal(indices[: indptr[-1]], want_idx[: want_ptr[-1]])
+    # Keys that are not a view of a slot with the planned column stride are refused.
+    with pytest.raises(ValueError, match="ring slot view"):
+        fi.run(q, keys.contiguous(), values.contiguous(), scale)
 
 
 # ---------------------------------------------------------------------------- CUDA (skipped here)

@@ -207,18 +207,30 @@ class FlashInferSparseDecode:
         max_rows: sparse rows to size the index buffers for up front (0: size them by the
             first step and grow with the ring).
         workspace_bytes: FlashInfer's float workspace (split-KV partial results).
+        wrapper_factory: ``(workspace, use_tensor_cores) -> wrapper`` with the ``plan``/``run``
+            API of ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``; None (the default) builds
+            that wrapper (NHD, ``backend="fa2"``). Tests pass an emulator of its contract.
 
     Raises:
-        ImportError: ``flashinfer`` cannot be imported.
-        ValueError: ``device`` is not a CUDA device.
+        ImportError: ``flashinfer`` cannot be imported (default factory).
+        ValueError: ``device`` is not a CUDA device (default factory).
     """
 
-    def __init__(self, device: torch.device | str, max_rows: int = 0, workspace_bytes: int = 128 << 20):
-        import flashinfer  # noqa: F401  (fail here, not at the first step)
-
+    def __init__(self, device: torch.device | str, max_rows: int = 0, workspace_bytes: int = 128 << 20,
+                 wrapper_factory=None):  # fmt: skip
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"FlashInferSparseDecode needs a CUDA device, got {self.device}")
+        if wrapper_factory is None:
+            import flashinfer  # fail here, not at the first step
+
+            if self.device.type != "cuda":
+                raise ValueError(f"FlashInferSparseDecode needs a CUDA device, got {self.device}")
+
+            def wrapper_factory(workspace, tensor_cores):
+                return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
+                )
+
+        self._factory = wrapper_factory
         self.max_rows = max_rows
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._wrappers: dict[bool, object] = {}  # by use_tensor_cores, built on first use
@@ -277,11 +289,7 @@ class FlashInferSparseDecode:
     def _wrapper(self, tensor_cores: bool):
         w = self._wrappers.get(tensor_cores)
         if w is None:
-            from flashinfer import BatchDecodeWithPagedKVCacheWrapper
-
-            w = BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=tensor_cores,
-                                                   backend="fa2")  # fmt: skip
-            self._wrappers[tensor_cores] = w
+            w = self._wrappers[tensor_cores] = self._factory(self._workspace, tensor_cores)
         return w
 
     def _plan_kernel(self, group: int, head_dim: int) -> None:
@@ -339,7 +347,8 @@ class FlashInferSparseDecode:
         c = st.columns
         want = (hkv * c * d, c * d, d, 1)
         for name, t in (("keys", keys), ("values", values)):
-            if t.shape[:2] != (r, hkv) or t.shape[3] != d or t.stride() != want or t.dtype != st.dtype:
+            bad = t.shape[:2] != (r, hkv) or t.shape[2] > c or t.shape[3] != d
+            if bad or t.stride() != want or t.dtype != st.dtype:
                 raise ValueError(
                     f"{name} {tuple(t.shape)} stride {t.stride()} {t.dtype} must be "
                     f"[{r}, {hkv}, <= {c}, {d}] with stride {want} and dtype {st.dtype} (a ring slot view)"
