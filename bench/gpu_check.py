@@ -32,11 +32,14 @@ What it measures (bf16, each part timed with CUDA events, medians):
     FlashInfer is absent). Also timed: the real query alone (one position),
     what reading K/V once per (row, head) would approach.
 (c) **Full sparse layer step** (batch 8, same shape): gather the critical set
-    from a pinned host tier (the runner's way: ``index_select`` on the host,
-    pin, async copy into the layer ring slot; and, with CuPy, a zero-copy GPU
-    gather from the pinned tier), gather the resident set from a device pool,
-    attention; against the dense attention of (b). Sequential (no overlap with
-    other layers: the transfer schedule's overlap is ``bench.transfer_cuda``).
+    from a pinned host tier into the layer ring slot with the runner's
+    :class:`~dd_sglang.prefetch.gather.RingGather` (``staging``: host
+    ``index_select`` into pinned staging, one copy; ``kernel``: SGLang's
+    transfer kernel, where ``sgl_kernel`` imports; on the CPU ``cpu``), and,
+    with CuPy, an unbounded zero-copy GPU ``index_select`` from the pinned
+    tier; gather the resident set from a device pool; attention. Against the
+    dense attention of (b). Sequential (the overlap with other layers is
+    ``bench.transfer_cuda``'s subject).
 
 FlashInfer JIT-compiles its kernels on first use; the JIT phase (four
 modules, built concurrently) is timed separately and its time is inside the
@@ -61,6 +64,7 @@ from dd_sglang.kernels.dispatch import SparseAttention
 from dd_sglang.kernels.flashinfer_decode import TENSOR_CORE_MIN_GROUP
 from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
+from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
 
 N_RES = 4 + 128  # sinks + window: the resident columns of the CPU preset
 HKV = 8
@@ -265,20 +269,31 @@ def _cupy_view(host: torch.Tensor):
         return None, f"{type(e).__name__}: {e}"
 
 
+def _gather_modes(device) -> list[str]:
+    """:class:`RingGather` modes to time: ``cpu`` on the CPU; ``staging`` on CUDA, and ``kernel``
+    where SGLang's ``sgl_kernel`` imports (a GPU machine with the project installed)."""
+    if device.type != "cuda":
+        return ["cpu"]
+    try:
+        from sgl_kernel.kvcacheio import transfer_kv_per_layer  # noqa: F401
+    except Exception:
+        return ["staging"]
+    return ["staging", "kernel"]
+
+
 def part_layer_step(att, device, dtype, rows, context, top_k, use_fi, iters, gen):
     group, head_dim = 4, 128
     hkv, d = HKV, head_dim
     columns = N_RES + top_k + 1
     pin = device.type == "cuda"
-    # Host tier (one layer, layer-first layout [slots, Hkv, D]): each row owns `context` slots.
-    host_k = torch.empty(rows * context, hkv, d, dtype=dtype, pin_memory=pin)
-    host_v = torch.empty_like(host_k, pin_memory=pin)
     cpu, dev = gen
+    # Host tier, one layer ([layers, slots, Hkv, D]): each row owns `context` slots.
+    host_k = torch.empty(1, rows * context, hkv, d, dtype=dtype, pin_memory=pin)
+    host_v = torch.empty_like(host_k, pin_memory=pin)
     for t in (host_k, host_v):
         t.copy_(randn(t.shape, dev, dtype))
     pos = torch.randint(0, context, (rows, hkv, top_k), generator=cpu)
-    slots = pos + torch.arange(rows).view(rows, 1, 1) * context
-    flat = (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()  # rows of the [slots x Hkv, D] view
+    src = flat_rows(pos + torch.arange(rows).view(rows, 1, 1) * context)
     # Device pool holding the resident sets.
     pool_k = randn((rows * N_RES, hkv, d), dev, dtype)
     pool_v = randn((rows * N_RES, hkv, d), dev, dtype)
@@ -287,32 +302,13 @@ def part_layer_step(att, device, dtype, rows, context, top_k, use_fi, iters, gen
     ring.reserve(rows, hkv, columns, d)
     k_slot, v_slot = ring.slot(0)
     keys, values = k_slot[:rows, :, :columns], v_slot[:rows, :, :columns]
+    dst = ring_rows(torch.arange(rows), hkv, ring.shape[3], N_RES, top_k)
     mask = torch.zeros(rows, 2, columns, dtype=torch.bool)
     mask[:, :, : N_RES + top_k] = True
     mask[:, 1, -1] = True
     q = fold_gqa(randn((rows, 2, hkv * group, d), dev, dtype), hkv)
     att.plan(mask.to(device), hkv, group, ring.shape[3], dtype, device, d)
     scale = d**-0.5
-
-    def gather_host():  # SparseStepRunner._gather_fn's operations
-        kk = host_k.view(-1, d).index_select(0, flat).view(rows, hkv, top_k, d)
-        vv = host_v.view(-1, d).index_select(0, flat).view(rows, hkv, top_k, d)
-        if pin:
-            kk, vv = kk.pin_memory(), vv.pin_memory()
-        keys[:, :, N_RES : N_RES + top_k].copy_(kk, non_blocking=pin)
-        values[:, :, N_RES : N_RES + top_k].copy_(vv, non_blocking=pin)
-
-    dev_k, why_not = _cupy_view(host_k) if pin else (None, "no CUDA")
-    dev_v = _cupy_view(host_v)[0] if dev_k is not None else None
-    flat_dev = flat.to(device)
-
-    def gather_zero_copy():  # a GPU kernel reading the pinned tier directly
-        keys[:, :, N_RES : N_RES + top_k] = (
-            dev_k.view(-1, d).index_select(0, flat_dev).view(rows, hkv, top_k, d)
-        )
-        values[:, :, N_RES : N_RES + top_k] = (
-            dev_v.view(-1, d).index_select(0, flat_dev).view(rows, hkv, top_k, d)
-        )
 
     def resident():
         keys[:, :, :N_RES] = pool_k[res_slots].transpose(1, 2)
@@ -330,27 +326,46 @@ def part_layer_step(att, device, dtype, rows, context, top_k, use_fi, iters, gen
     res = {
         "shape": {"batch": rows, "kv_heads": hkv, "group": group, "head_dim": d, "context": context,
                   "top_k": top_k, "resident": N_RES, "gathered_bytes": gathered},
-        "host_gather_ms": wall_ms(gather_host, device, iters),
         "resident_gather_ms": timed(resident, device, iters),
         "attention_ms": timed(attention, device, iters),
-        "step_host_gather_ms": wall_ms(lambda: step(gather_host), device, iters),
+        "gather": {},
     }  # fmt: skip
-    # The result is right: the last step's output against the reference over the same ring slot.
-    got = step(gather_host).float()
-    m4 = mask.to(device).repeat_interleave(group, dim=1).unsqueeze(1)
-    want = sparse_decode_attention(q.float(), keys.float(), values.float(), m4, scale)
-    res["step_max_abs_err"] = float((got - want).abs().max())
-    if dev_k is not None:
-        res["zero_copy_gather_ms"] = wall_ms(gather_zero_copy, device, iters)
-        res["step_zero_copy_ms"] = wall_ms(lambda: step(gather_zero_copy), device, iters)
+    for mode in _gather_modes(device):
+        g = RingGather(host_k, host_v, device, mode)
+
+        def gather(g=g):
+            g.copy(0, src, k_slot, v_slot, dst)
+
+        ms = wall_ms(gather, device, iters)
+        res["gather"][mode] = {"gather_ms": ms, "gbps": gathered / ms / 1e6,
+                               "step_ms": wall_ms(lambda f=gather: step(f), device, iters)}  # fmt: skip
+        # The step's result over what this gather brought, against the reference on the same slot.
+        got = step(gather).float()
+        m4 = mask.to(device).repeat_interleave(group, dim=1).unsqueeze(1)
+        want = sparse_decode_attention(q.float(), keys.float(), values.float(), m4, scale)
+        res["gather"][mode]["step_max_abs_err"] = float((got - want).abs().max())
+        want_k = host_k[0].view(-1, d).index_select(0, src).to(device).view(rows, hkv, top_k, d)
+        res["gather"][mode]["gathered_equal"] = bool(torch.equal(keys[:, :, N_RES : N_RES + top_k], want_k))
+    dev_k, why_not = _cupy_view(host_k) if pin else (None, "no CUDA")
+    if dev_k is not None:  # a GPU index_select reading the pinned tier directly, all SMs allowed
+        dev_v = _cupy_view(host_v)[0]
+        src_dev, dst_dev = src.to(device), dst.to(device)
+
+        def zero_copy():
+            k_slot.view(-1, d)[dst_dev] = dev_k[0].view(-1, d).index_select(0, src_dev)
+            v_slot.view(-1, d)[dst_dev] = dev_v[0].view(-1, d).index_select(0, src_dev)
+
+        ms = wall_ms(zero_copy, device, iters)
+        res["gather"]["cupy_zero_copy"] = {"gather_ms": ms, "gbps": gathered / ms / 1e6,
+                                           "step_ms": wall_ms(lambda: step(zero_copy), device, iters)}  # fmt: skip
     else:
-        res["zero_copy_gather"] = f"not run: {why_not}"
+        res["gather"]["cupy_zero_copy"] = f"not run: {why_not}"
     dense = DenseAttention(rows, hkv, group, d, context, device, dtype, gen, use_fi)
     res["dense_attention_ms"] = timed(dense, device, iters)
     res["dense_kernel"] = dense.kind
-    for key in ("step_host_gather_ms", "step_zero_copy_ms"):
-        if key in res:
-            res[key.replace("_ms", "_vs_dense")] = res[key] / res["dense_attention_ms"]
+    for v in res["gather"].values():
+        if isinstance(v, dict):
+            v["step_vs_dense"] = v["step_ms"] / res["dense_attention_ms"]
     return res
 
 

@@ -58,6 +58,15 @@ def test_single_head_single_position_lists_are_the_columns_themselves():
     assert indptr.tolist() == [0, 3] and indices[:3].tolist() == [1, 2, 4] and last.tolist() == [1]
 
 
+def test_three_positions_two_speculated_each_with_its_own_column():
+    # The real query reads column 0; speculated position 1 also its column 2, position 2 its column 3.
+    m = torch.tensor([[[1, 0, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]], dtype=torch.bool)
+    indptr, indices, last = paged_kv_indices(m, 2, 6)  # request b = h * 3 + s; page h * 6 + c
+    assert indptr.tolist() == [0, 1, 3, 5, 6, 8, 10]
+    assert indices[:10].tolist() == [0, 0, 2, 0, 3, 6, 6, 8, 6, 9]
+    assert last.tolist() == [1] * 6
+
+
 def test_bad_inputs_are_refused_with_the_field_named():
     with pytest.raises(ValueError, match="bool"):
         paged_kv_indices(MASK.int(), 2, 5)

@@ -95,8 +95,8 @@ class SparseAttention:
         """Once per decode step, before the first layer's :meth:`run`.
 
         Args:
-            mask: ``shape: [R, S, N], dtype: torch.bool`` (``StepPlan.mask``, ``S = 2``): columns
-                each row's real / speculated query reads, the same for every KV head and layer.
+            mask: ``shape: [R, S, N], dtype: torch.bool`` (``StepPlan.mask``, ``S = StepPlan.positions``):
+                columns each row's real / speculated queries read, the same for every KV head and layer.
             num_kv_heads: ``Hkv`` of the K/V :meth:`run` will get.
             group: query heads per KV head, or None (read from ``q`` at the first :meth:`run`).
             columns: the column stride of the K/V :meth:`run` will get (the layer ring's column

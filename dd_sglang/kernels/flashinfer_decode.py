@@ -2,7 +2,8 @@
 
 What it computes is :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`
 (the PyTorch reference): per sparse row ``r``, KV head ``h`` and query position
-``s`` (0: the real token, 1: the speculated one), softmax attention of the
+``s`` (0: the real token, then the speculated ones: ``S = StepPlan.positions``
+positions, 2 with one speculated token), softmax attention of the
 ``G`` query heads of ``h``'s GQA group over the columns ``mask[r, s]`` marks in
 the row's slot of the layer ring (:mod:`dd_sglang.kvcache.layer_buffers`).
 
@@ -13,11 +14,11 @@ capacity, at least the step's ``N`` columns; a step's tensors are views
 ``[:R, :, :N]`` of the slot). With ``page_size = 1``:
 
 1. **Requests.** Every (row ``r``, KV head ``h``, query position ``s``) is one
-   decode request ``b = (r * Hkv + h) * 2 + s``, with ``num_kv_heads = 1`` and
+   decode request ``b = (r * Hkv + h) * S + s``, with ``num_kv_heads = 1`` and
    ``num_qo_heads = G``. That is the order of the folded queries in memory
-   (``q: [R, Hkv, 2 * G, D]``, :func:`~dd_sglang.kernels.sparse_decode.fold_gqa`),
-   so ``q`` is handed over as the view ``[R * Hkv * 2, G, D]``, no copy; the
-   output ``[R * Hkv * 2, G, D]`` is viewed back as ``[R, Hkv, 2 * G, D]``.
+   (``q: [R, Hkv, S * G, D]``, :func:`~dd_sglang.kernels.sparse_decode.fold_gqa`),
+   so ``q`` is handed over as the view ``[R * Hkv * S, G, D]``, no copy; the
+   output ``[R * Hkv * S, G, D]`` is viewed back as ``[R, Hkv, S * G, D]``.
 2. **Pages.** The ring slot is the paged cache, viewed without a copy
    (``as_strided``) as ``R * Hkv * C`` one-token pages of one head (NHD:
    ``[pages, 1, 1, D]``, page stride ``D``): page ``p = r * Hkv * C + h * C + c``
@@ -32,17 +33,18 @@ capacity, at least the step's ``N`` columns; a step's tensors are views
 Cost
 ----
 * Reads: each request reads only its valid columns, ``D`` elements of K and V
-  each through one index per token. The real and the speculated query of a
-  (row, head) are two requests over the same columns (the speculated one has
-  one more), so K/V are read twice per layer; a row without a speculated token
-  has its second request computed and discarded. Per layer and row that is
+  each through one index per token. The real and the speculated queries of a
+  (row, head) are ``S`` requests over the same columns (a speculated one has
+  its own column more), so K/V are read ``S`` times per layer; a row with fewer
+  speculated tokens has its spare requests computed and discarded. Per layer
+  and row, with ``S = 2``, that is
   ``2 x Hkv x (n_res + k + 1) x D x 2 x itemsize`` bytes against a dense
   decode's ``Hkv x context x D x 2 x itemsize``: at 32k context and
   ``k = 2048`` (1/16) about 7.5x fewer bytes, not 16x.
-* Index memory: 4 bytes per (row, head, position, column): ``8 x R x Hkv x C``
+* Index memory: 4 bytes per (row, head, position, column): ``4 x S x R x Hkv x C``
   bytes, against ``2 x (depth + 1) x R x Hkv x C x D x itemsize`` for the ring
-  (0.5% of it at ``D = 128``, bf16, depth 2).
-* Planning: one pass of tensor ops over ``[R, Hkv, 2, N]`` on the mask's device
+  (0.5% of it at ``D = 128``, bf16, depth 2, ``S = 2``).
+* Planning: one pass of tensor ops over ``[R, Hkv, S, N]`` on the mask's device
   (no Python loop, no host sync), then FlashInfer's own ``plan()``, which
   copies ``kv_indptr`` to the host (one small device-to-host sync per step)
   to split long requests over thread blocks.
@@ -57,12 +59,13 @@ Why this mapping
   and the ring slot is used in place: no per-layer repacking of K/V.
 * Only documented wrapper API is used (``plan``/``run``, ``out=``,
   ``q_scale`` for the softmax scale); no hand-written CUDA.
-* Not built: one request per (row, head) holding both queries
+* Not built: for ``S = 2``, one request per (row, head) holding both queries
   (``q_len_per_req = 2`` on the tensor-core path, whose bottom-right causal
   mask hides the last index from the first query) would read K/V once, given
   the speculated token's column last in each list: half the traffic, but it
   relies on the mask's structure and on a kernel path this project has not
-  run.
+  run (and does not fit ``S = 3``, where each speculated query has its own
+  column the other must not read).
 
 Kernel choice: FlashInfer's CUDA-core decode kernel for ``G < 4``, its
 tensor-core (prefill) kernel for ``G >= 4`` (SGLang's rule for fp16/bf16 KV);
@@ -74,7 +77,7 @@ Buffers (allocated once, filled in place)
 ``kv_indptr`` ``[cap_requests + 1]``, ``kv_last_page_len`` ``[cap_requests]``,
 ``kv_indices`` ``[cap_requests x cap_columns + 1]`` (the last entry takes the
 writes of masked columns), all int32 on the device, and the output
-``[cap_requests, G, D]``: ``cap_requests = rows x Hkv x 2`` and
+``[cap_requests, G, D]``: ``cap_requests = rows x Hkv x S`` and
 ``cap_columns`` follow the largest step seen (or ``max_rows`` given up front),
 like the layer ring itself; they are reallocated only when a step outgrows
 them. ``run()`` allocates nothing (the paged views are metadata only). A
@@ -125,7 +128,7 @@ def paged_kv_indices(
 
     Args:
         mask: ``shape: [R, S, N], dtype: torch.bool``: columns each row's query position reads
-            (``StepPlan.mask``; ``S = 2``), the same for every KV head.
+            (``StepPlan.mask``; ``S = StepPlan.positions``), the same for every KV head.
         num_kv_heads: ``Hkv`` (>= 1).
         columns: column stride ``C`` of the paged K/V (the ring slot's column capacity), ``>= N``.
         indptr: optional ``[>= B + 1]`` int32 buffer to fill in place (``B = R x Hkv x S``).
@@ -248,7 +251,7 @@ class FlashInferSparseDecode:
         """Fill the index buffers for a step and plan FlashInfer's kernel.
 
         Args:
-            mask: ``[R, 2, N]`` bool on :attr:`device` (``StepPlan.mask``).
+            mask: ``[R, S, N]`` bool on :attr:`device` (``StepPlan.mask``).
             num_kv_heads: ``Hkv``; ``columns``: the K/V column stride (ring column capacity).
             dtype: q and K/V dtype (float16/bfloat16, :func:`flashinfer_supports`).
             group, head_dim: the GQA group and head dim; when None, the values an earlier
@@ -321,13 +324,13 @@ class FlashInferSparseDecode:
         """Sparse attention of one layer over the planned columns.
 
         Args:
-            q: ``[R, Hkv, 2 x G, D]`` (folded; cast to the planned dtype if it differs).
+            q: ``[R, Hkv, S x G, D]`` (folded; cast to the planned dtype if it differs).
             keys, values: ``[R, Hkv, N, D]`` views of a ring slot with column stride ``columns``
                 (``stride = (Hkv x columns x D, columns x D, D, 1)``), the planned dtype.
             scale: softmax scale.
 
         Returns:
-            ``[R, Hkv, 2 x G, D]``, the planned dtype: a view of a buffer the next :meth:`run`
+            ``[R, Hkv, S x G, D]``, the planned dtype: a view of a buffer the next :meth:`run`
             overwrites (consume or copy it first).
 
         Raises:
