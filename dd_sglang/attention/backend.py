@@ -176,8 +176,8 @@ class DualDecoderAttnBackend(AttentionBackend):
             runner = self._runner_for(rt)
             plan = runner.plan(forward_batch, rt)
             if plan is not None:
-                _, _, hkv, columns, head_dim = runner.ring.shape
-                ring = runner.ring
+                ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
+                _, _, hkv, columns, head_dim = ring.shape
                 self.attention.plan(plan.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
             rt.ring_buffer_bytes = runner.ring.nbytes
             rt.critical_buffer_bytes = runner.critical_bytes(plan)
