@@ -15,7 +15,8 @@
     plan rides on the batch as ``forward_batch.dd_plan``.
   - ``forward_decode`` (per layer): write the new K/V, run the dense rows, get
     the layer's inputs from the runner (wait for its copy), one batched sparse
-    attention call (:func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`),
+    attention call (:class:`dd_sglang.kernels.dispatch.SparseAttention`: FlashInfer
+    on CUDA, the PyTorch reference elsewhere; planned once per step after the plan),
     hand the layer back (next-step selection is queued there).
 
 With ``top_k`` at least the context, a sparse row attends to its whole context
@@ -43,7 +44,8 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from dd_sglang.kernels.sparse_decode import sparse_decode_attention, unfold_gqa
+from dd_sglang.kernels.dispatch import SparseAttention
+from dd_sglang.kernels.sparse_decode import unfold_gqa
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 from dd_sglang.prefetch.params import PrefetchParams
@@ -139,6 +141,8 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.prefetch = prefetch or PrefetchParams()
         self.events = events or BackendEvents()
         self.runner: SparseStepRunner | None = None
+        k0 = token_to_kv_pool.get_key_buffer(getattr(token_to_kv_pool, "start_layer", 0))
+        self.attention = SparseAttention(k0.device)
         try:
             from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -171,6 +175,10 @@ class DualDecoderAttnBackend(AttentionBackend):
         if rt is not None and rt.by_pool:
             runner = self._runner_for(rt)
             plan = runner.plan(forward_batch, rt)
+            if plan is not None:
+                ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
+                _, _, hkv, columns, head_dim = ring.shape
+                self.attention.plan(plan.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
             rt.ring_buffer_bytes = runner.ring.nbytes
             rt.critical_buffer_bytes = runner.critical_bytes(plan)
             rt.selector_aux = runner.aux_bytes()
@@ -244,13 +252,13 @@ class DualDecoderAttnBackend(AttentionBackend):
         lid = layer.layer_id
         hl = lid - getattr(self.token_to_kv_pool, "start_layer", 0)
         runner = self.runner
-        qf, keys, values, mask = runner.layer_inputs(
+        qf, keys, values, _ = runner.layer_inputs(
             plan, hl, q3, k3, v3,
             self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
             layer.scaling,
         )  # fmt: skip
         t1 = time.perf_counter()
-        o = unfold_gqa(sparse_decode_attention(qf, keys, values, mask, layer.scaling), plan.positions)
+        o = unfold_gqa(self.attention.run(qf, keys, values, layer.scaling), plan.positions)
         o = o.to(out.dtype)
         step.attention_s += time.perf_counter() - t1
         out[plan.rows.to(out.device)] = o[:, 0]
