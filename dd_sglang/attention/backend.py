@@ -252,7 +252,7 @@ class DualDecoderAttnBackend(AttentionBackend):
         lid = layer.layer_id
         hl = lid - getattr(self.token_to_kv_pool, "start_layer", 0)
         runner = self.runner
-        qf, keys, values, _ = runner.layer_inputs(
+        qf, keys, values = runner.layer_inputs(
             plan, hl, q3, k3, v3,
             self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
             layer.scaling,

@@ -3,7 +3,7 @@
 The attention backend calls, per decode step and layer::
 
     plan = runner.plan(forward_batch, runtime)        # once per step (init_forward_metadata)
-    q, K, V, mask = runner.layer_inputs(plan, ...)    # per layer, before attention
+    q, K, V = runner.layer_inputs(plan, ...)          # per layer, before attention
     ...one sparse attention call over every sparse row...
     runner.layer_done(plan, layer, q3)                # per layer, after attention
 
@@ -16,7 +16,8 @@ The attention backend calls, per decode step and layer::
    in the batch) and the *repair* columns of rows whose speculation missed;
 3. gathers the resident set from the device pool (one index per K and V) and
    writes each speculated position's own K/V into its column;
-4. returns the folded queries, the slot's K/V and the mask.
+4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
+   columns each query reads).
 
 ``layer_done`` hands the slot back (the next copy reuses it) and queues, on the
 select worker, the choice of the next step's sets from this layer's queries
@@ -132,7 +133,6 @@ class SparseStepRunner:
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
         )
-        self._mask_cache: tuple[int, int, torch.Tensor] | None = None
         self._exact = SELECTORS["oracle"]()
         self._repair_scorer = make_selector("spec_host", params.rerank)
 
@@ -207,9 +207,9 @@ class SparseStepRunner:
             k_buf, v_buf: the device pool's ``[slots, Hkv, D]`` buffers of this layer.
 
         Returns:
-            ``(q, keys, values, mask)`` for :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`:
-            ``[R, Hkv, P x group, D]``, ``[R, Hkv, columns, D]`` twice, ``[R, 1, P x group, columns]``
-            (``P = plan.positions``).
+            ``(q, keys, values)`` for the sparse attention (:class:`dd_sglang.kernels.dispatch.SparseAttention`,
+            which reads the columns from ``plan.mask``): ``[R, Hkv, P x group, D]`` (``P =
+            plan.positions``) and ``[R, Hkv, columns, D]`` views of the layer's ring slot.
         """
         hkv = k_buf.shape[1]
         if plan.n_fixed:
@@ -233,17 +233,8 @@ class SparseStepRunner:
             keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
             values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
         q = fold_gqa(q3[plan.qidx], hkv)
-        mask = self._mask(plan, q.shape[2] // plan.positions)
         self.events.phase("assemble", time.perf_counter() - t1)
-        return q, keys, values, mask
-
-    def _mask(self, plan: StepPlan, group: int) -> torch.Tensor:
-        cached = self._mask_cache
-        if cached is not None and cached[0] == id(plan) and cached[1] == group:
-            return cached[2]
-        m = plan.mask.repeat_interleave(group, dim=1).unsqueeze(1)
-        self._mask_cache = (id(plan), group, m)
-        return m
+        return q, keys, values
 
     def _put(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
         """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of plan
