@@ -286,6 +286,72 @@ def _pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
+def _rows(fb, rt, inp: PlanInputs) -> list[_Row]:
+    """The batch's sparse rows (one host sync for the batch's ids, positions and lengths)."""
+    bs = fb.batch_size
+    pool_idx = fb.req_pool_indices.tolist()
+    sparse = [(i, rt.sparse_request(int(p))) for i, p in enumerate(pool_idx)]
+    sparse = [(i, st) for i, st in sparse if st is not None]
+    if not sparse:
+        return []
+    seq_lens, ids, positions = fb.seq_lens.tolist(), fb.input_ids[:bs].tolist(), fb.positions[:bs].tolist()
+    return [
+        _Row(i, st, inp.store.get(st.rid), inp.selectors[st.selector], st.device_positions(int(seq_lens[i])),
+             st.host_candidates(), int(ids[i]), int(positions[i]))  # fmt: skip
+        for i, st in sparse
+    ]
+
+
+def _classify(rows: list[_Row], nxt: NextSets, n_layers: int) -> list[_Row]:
+    """Mark each row ahead / full / sync and order them so (module docstring, step 3)."""
+    have = set(nxt.rids) if len(nxt.pos) == n_layers else set()
+    for r in rows:
+        if r.cand.numel() <= r.st.top_k:
+            r.kind = "full"
+        elif r.selector.lookahead and r.st.rid in have:
+            r.kind = "ahead"
+    return sorted(rows, key=lambda r: ("ahead", "full", "sync").index(r.kind))
+
+
+def _fixed_sets(rows: list[_Row], nxt: NextSets, n_ahead: int, n_fixed: int, k: int, hkv: int, n_layers: int):
+    """Per layer, ``[n_fixed, Hkv, k]`` positions and host slots of the fixed rows: last step's
+    selections (one gather per layer) then every candidate of the full rows."""
+    where = {rid: j for j, rid in enumerate(nxt.rids)}
+    perm = torch.tensor([where[r.st.rid] for r in rows[:n_ahead]], dtype=torch.int64)
+    full = rows[n_ahead:n_fixed]
+    full_pos = _pad_stack([r.cand for r in full], k).unsqueeze(1).expand(-1, hkv, -1)
+    full_slots = _pad_stack([r.st.host_slots[r.cand] for r in full], k).unsqueeze(1).expand(-1, hkv, -1)
+    fixed_pos, fixed_slots = [], []
+    for layer in range(n_layers):
+        p, s = full_pos, full_slots
+        if n_ahead:
+            pad = (0, max(0, k - nxt.k))
+            a = torch.nn.functional.pad(nxt.pos[layer][perm], pad)[..., :k]
+            b = torch.nn.functional.pad(nxt.slots[layer][perm], pad)[..., :k]
+            p, s = torch.cat([a, full_pos]), torch.cat([b, full_slots])
+        fixed_pos.append(p)
+        fixed_slots.append(s)
+    return tuple(fixed_pos), tuple(fixed_slots)
+
+
+def _ride(fb, rows: list[_Row]) -> tuple[list, dict, torch.Tensor]:
+    """Append the speculated tokens to the batch (after its real rows); ``(spec, token index, qidx)``."""
+    bs = fb.batch_size
+    n_spec = max((len(r.spec_tokens) for r in rows), default=0)
+    spec = [(j, s, tok) for j, r in enumerate(rows) for s, tok in enumerate(r.spec_tokens)]
+    if spec:
+        ids = torch.tensor([t for _, _, t in spec], dtype=fb.input_ids.dtype, device=fb.input_ids.device)
+        pos = torch.tensor([rows[j].position + 1 for j, _, _ in spec], dtype=fb.positions.dtype,
+                           device=fb.positions.device)  # fmt: skip
+        fb.input_ids = torch.cat([fb.input_ids[:bs], ids])
+        fb.positions = torch.cat([fb.positions[:bs], pos])
+    tok = {(j, s): bs + i for i, (j, s, _) in enumerate(spec)}
+    # A row with fewer riding tokens repeats its first (or its real token) in the missing places.
+    qidx = torch.tensor([[r.batch_row] + [tok.get((j, s), tok.get((j, 0), r.batch_row)) for s in range(n_spec)]
+                         for j, r in enumerate(rows)])  # fmt: skip
+    return spec, tok, qidx
+
+
 def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) -> StepPlan | None:
     """Plan a decode step (module docstring); None when no row of ``fb`` decodes sparsely.
 
@@ -297,120 +363,66 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         on_verify: ``(speculator, accepted)`` for every verified speculation (metrics).
     """
     started = time.perf_counter()
-    bs = fb.batch_size
-    pool_idx = fb.req_pool_indices.tolist()
-    seq_lens = fb.seq_lens.tolist()
-    sparse = [(i, rt.sparse_request(int(p))) for i, p in enumerate(pool_idx)]
-    sparse = [(i, st) for i, st in sparse if st is not None]
-    if not sparse:
+    rows = _rows(fb, rt, inp)
+    if not rows:
         return None
-    ids = fb.input_ids[:bs].tolist()
-    positions = fb.positions[:bs].tolist()
-    rows = []
-    for i, st in sparse:
-        rows.append(
-            _Row(i, st, inp.store.get(st.rid), inp.selectors[st.selector],
-                 st.device_positions(int(seq_lens[i])), st.host_candidates(),
-                 int(ids[i]), int(positions[i]))  # fmt: skip
-        )
     _speculate(rows, inp, on_verify)
     nxt = inp.store.next_sets
-    nxt_index = {rid: j for j, rid in enumerate(nxt.rids)}
-    n_layers = rt.host.layer_num
-    for r in rows:
-        if r.cand.numel() <= r.st.top_k:
-            r.kind = "full"
-        elif r.selector.lookahead and r.st.rid in nxt_index and len(nxt.pos) == n_layers:
-            r.kind = "ahead"
-    rows.sort(key=lambda r: ("ahead", "full", "sync").index(r.kind))
+    rows = _classify(rows, nxt, rt.host.layer_num)
     _update_indexes(rows, inp, lambda r: r.st.host_len)
     n = len(rows)
     n_ahead = sum(r.kind == "ahead" for r in rows)
     n_fixed = n_ahead + sum(r.kind == "full" for r in rows)
-    k = max(r.st.top_k if r.kind != "full" else r.cand.numel() for r in rows)
-    k = max(k, 1)
-    hkv = rt.host.k.shape[2]
-    # Fixed rows' sets per layer: last step's selections (one gather per layer), then the full rows.
-    perm = torch.tensor([nxt_index[r.st.rid] for r in rows[:n_ahead]], dtype=torch.int64)
-    full = _pad_stack([r.cand for r in rows[n_ahead:n_fixed]], k)  # [n_full, k] positions
-    full_slots = _pad_stack([r.st.host_slots[r.cand] for r in rows[n_ahead:n_fixed]], k)
-    full_pos = full.unsqueeze(1).expand(-1, hkv, -1)
-    full_slots = full_slots.unsqueeze(1).expand(-1, hkv, -1)
-    fixed_pos, fixed_slots = [], []
-    for layer in range(n_layers):
-        if n_ahead:
-            p, s = nxt.pos[layer][perm], nxt.slots[layer][perm]
-            if p.shape[2] < k:
-                p = torch.nn.functional.pad(p, (0, k - p.shape[2]))
-                s = torch.nn.functional.pad(s, (0, k - s.shape[2]))
-            fixed_pos.append(torch.cat([p[..., :k], full_pos]))
-            fixed_slots.append(torch.cat([s[..., :k], full_slots]))
-        else:
-            fixed_pos.append(full_pos)
-            fixed_slots.append(full_slots)
-    blocks = row_blocks(
-        [r.st.host_slots for r in rows],
-        [_lo(r) for r in rows],
-        [min(r.st.win_start, r.st.host_len) for r in rows],
-        [r.st.keep_pos for r in rows],
-    )
-    # Speculated positions ride as extra tokens of the batch, row by row, after the real rows.
-    device = fb.input_ids.device
-    n_spec = max((len(r.spec_tokens) for r in rows), default=0)
-    positions = 1 + n_spec
-    spec = [(j, s, tok) for j, r in enumerate(rows) for s, tok in enumerate(r.spec_tokens)]
-    if spec:
-        fb.input_ids = torch.cat([fb.input_ids[:bs], torch.tensor([t for _, _, t in spec],
-                                 dtype=fb.input_ids.dtype, device=device)])  # fmt: skip
-        fb.positions = torch.cat([fb.positions[:bs], torch.tensor([rows[j].position + 1 for j, _, _ in spec],
-                                 dtype=fb.positions.dtype, device=fb.positions.device)])  # fmt: skip
-    spec_tok = {(j, s): bs + i for i, (j, s, _) in enumerate(spec)}
-    qidx = torch.tensor([[r.batch_row] + [spec_tok.get((j, s), spec_tok.get((j, 0), r.batch_row))
-                                          for s in range(n_spec)] for j, r in enumerate(rows)])  # fmt: skip
-    groups = _groups(rows, range(n_fixed, n), blocks, qidx, use_spec=False)
+    k = max(1, max(r.st.top_k if r.kind != "full" else r.cand.numel() for r in rows))
+    fixed_pos, fixed_slots = _fixed_sets(rows, nxt, n_ahead, n_fixed, k, rt.host.k.shape[2], rt.host.layer_num)
+    blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
+                        [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
+    spec, spec_tok, qidx = _ride(fb, rows)
     ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
-    ahead = _groups(rows, ahead_rows, blocks, qidx, use_spec=True)
     # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
     inp.store.next_sets = NextSets(
         tuple(rows[j].st.rid for j in ahead_rows), max((rows[j].st.top_k for j in ahead_rows), default=1)
     )
-    policy = [r.st.miss_policy or inp.miss_policy for r in rows]
-    repair = [j for j in range(n_ahead) if rows[j].rejected and policy[j] == "repair"]
+    repair = [j for j in range(n_ahead) if rows[j].rejected and (rows[j].st.miss_policy or inp.miss_policy) == "repair"]
     budget = inp.repair_budget if repair else 0
     n_res = max(int(r.dev_pos.numel()) for r in rows)
-    res_slots = _pad_stack(
-        [inp.req_to_token[int(pool_idx[r.batch_row])][r.dev_pos.to(inp.req_to_token.device)].long().cpu()
-         for r in rows], n_res)  # fmt: skip
-    spec_cols = max(n_spec, 1)
-    cols = n_res + k + budget + spec_cols
-    mask = _mask(rows, n_res, k, budget, set(repair), positions, cols)
-    sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
+    r2t = inp.req_to_token
+    res_slots = _pad_stack([r2t[int(fb.req_pool_indices[r.batch_row])][r.dev_pos.to(r2t.device)].long().cpu()
+                            for r in rows], n_res)  # fmt: skip
+    positions = qidx.shape[1]
+    own = max(positions - 1, 1)
+    cols = n_res + k + budget + own
+    dev = fb.input_ids.device
+
+    def t(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
     return StepPlan(
         rows=torch.tensor([r.batch_row for r in rows], dtype=torch.int64),
         rids=tuple(r.st.rid for r in rows),
-        batch_size=bs,
+        batch_size=fb.batch_size,
         n_ahead=n_ahead,
         n_fixed=n_fixed,
-        fixed_pos=tuple(fixed_pos),
-        fixed_slots=tuple(fixed_slots),
-        sync=tuple(groups),
-        ahead=tuple(ahead),
+        fixed_pos=fixed_pos,
+        fixed_slots=fixed_slots,
+        sync=tuple(_groups(rows, range(n_fixed, n), blocks, qidx, use_spec=False)),
+        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True)),
         blocks=blocks,
         k=k,
         n_res=n_res,
-        res_slots=res_slots.to(device),
+        res_slots=res_slots.to(dev),
         repair_rows=torch.tensor(repair, dtype=torch.int64),
         repair_budget=budget,
         positions=positions,
-        qidx=qidx.to(device),
-        spec_rows=torch.tensor([j for j, _, _ in spec], dtype=torch.int64, device=device),
-        spec_slots=torch.tensor([s + 1 for _, s, _ in spec], dtype=torch.int64, device=device),
-        spec_tokens=torch.tensor([spec_tok[(j, s)] for j, s, _ in spec], dtype=torch.int64, device=device),
-        spec_cols=torch.tensor([cols - spec_cols + s for _, s, _ in spec], dtype=torch.int64, device=device),
+        qidx=qidx.to(dev),
+        spec_rows=t([j for j, _, _ in spec]),
+        spec_slots=t([s + 1 for _, s, _ in spec]),
+        spec_tokens=t([spec_tok[(j, s)] for j, s, _ in spec]),
+        spec_cols=t([cols - own + s for _, s, _ in spec]),
         spec_states=tuple((rows[j].pred.spec, s) for j, s, _ in spec),
-        mask=mask.to(device),
+        mask=_mask(rows, n_res, k, budget, set(repair), positions, cols).to(dev),
         top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
-        sampled=torch.tensor(sampled, dtype=torch.int64),
+        sampled=torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64),
         rejected=tuple(r.rejected for r in rows),
         labels=tuple((r.selector.name, r.st.speculator if r.selector.uses_speculator else "none") for r in rows),
         started=started,
