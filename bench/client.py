@@ -42,13 +42,24 @@ def bench_preset(tmp: Path, hit_rate_sample: float = 1.0) -> Path:
     return path
 
 
+#: Servers started with ``served(..., keep=True)``; :func:`stop_left_running` stops them.
+LEFT_RUNNING: list = []
+
+
+def stop_left_running() -> None:
+    """Stop the servers :func:`served` left running."""
+    while LEFT_RUNNING:
+        LEFT_RUNNING.pop().stop()
+
+
 @contextlib.contextmanager
 def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, max_total_tokens: int,
-           hit_rate_sample: float = 1.0):  # fmt: skip
+           hit_rate_sample: float = 1.0, keep: bool = False):  # fmt: skip
     """Yield an :class:`Endpoint`: the given URLs, or a server started here and stopped on exit.
 
     ``backend``: ``torch_native`` (dense) or ``dualdecoder`` (the latter with
-    :func:`bench_preset`). Raises ``RuntimeError`` when a started server fails
+    :func:`bench_preset`). ``keep``: a server started here is left running (the
+    caller stops it: :data:`LEFT_RUNNING`) so a later phase can reuse it. Raises ``RuntimeError`` when a started server fails
     (the message carries its log tail).
     """
     if url:
@@ -58,6 +69,10 @@ def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, ma
     if backend == "dualdecoder":
         extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample))]
     srv = start_server(tmp / f"{backend}.log", max_total_tokens, extra, timeout=900)
+    if keep:
+        LEFT_RUNNING.append(srv)
+        yield Endpoint(srv.url, srv.metrics_url, round(srv.start_seconds, 1))
+        return
     try:
         yield Endpoint(srv.url, srv.metrics_url, round(srv.start_seconds, 1))
     finally:

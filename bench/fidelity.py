@@ -11,7 +11,9 @@ Texts (:mod:`bench.texts`): Debian's licences, Python's reference docs, the
 installed packages' descriptions. Nothing synthetic except the inserted facts.
 
 **Configurations.** ``dense``: a ``torch_native`` server (SGLang's own
-attention). Sparse (one ``dualdecoder`` server, default CPU preset with
+attention), or with ``--dense full_top_k`` the ``dualdecoder`` server at
+``dd_top_k`` >= the context (token-identical to dense; one server and one
+prefill per prompt for the whole run). Sparse (one ``dualdecoder`` server, default CPU preset with
 ``prefetch.hit_rate_sample: 1`` so every step's prefetch recall is counted;
 per-request ``custom_params``): ``oracle`` (exact top-k of the real query);
 ``spec_host+dual_token`` (the default configuration), the same with
@@ -71,7 +73,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.client import Counters, forced_scores, generate, n_layers_of_model, prefill_logprobs, served
+from bench.client import (
+    Counters,
+    forced_scores,
+    generate,
+    n_layers_of_model,
+    prefill_logprobs,
+    served,
+    stop_left_running,
+)
 from bench.stats import mean_ci, wilson
 from bench.texts import available_texts, needle_prompt, text
 
@@ -90,6 +100,9 @@ CONFIGS = {
     "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},
 }  # fmt: skip
 CAP = 16384
+#: ``--dense full_top_k``: dense answers from the dualdecoder server itself, every candidate attended
+#: (token-identical to dense: tests/test_dualdecoder_e2e.py), so each prompt is prefilled once in the run.
+FULL_TOP_K = {"dd_top_k": 1_000_000, "dd_selector": "oracle", "dd_speculator": "none"}
 RETRIEVAL_TOKENS = 12
 STOP = ["\n", "."]
 
@@ -173,33 +186,38 @@ def run(args) -> dict:
     dense: dict = {"retrieval": {}, "nll": {}, "agreement": {}}
     records: list[dict] = []
 
-    # ---- dense: every dense request, one server
+    # ---- dense: every dense request, one server (or the dualdecoder one at full top_k, --dense full_top_k)
     t0 = time.monotonic()
-    with served("torch_native", args.dense_url, None, tmp, CAP) as ep:
+    full = args.dense == "full_top_k"
+    dcustom = FULL_TOP_K if full else None
+    url = args.dd_url if full else args.dense_url
+    with served("dualdecoder" if full else "torch_native", url, args.dd_metrics_url if full else None, tmp, CAP,
+                keep=full) as ep:  # fmt: skip
         timing["dense_server_start_s"] = ep.start_seconds
         for n in contexts:
             for i, case in enumerate(tqdm(trial_cases[n], desc=f"dense retrieval {n}", unit="trial")):
-                r = generate(ep, tok.encode(case.prompt), RETRIEVAL_TOKENS, stop=STOP)
+                r = generate(ep, tok.encode(case.prompt), RETRIEVAL_TOKENS, custom=dcustom, stop=STOP)
                 dense["retrieval"][(n, i)] = {"completion": r["text"], "found": case.found(r["text"]),
                                               "seconds": round(r["seconds"], 2)}  # fmt: skip
             for name in texts:
                 prompt, cont = windows[(name, n)]
                 force = cont[: args.nll_tokens + 1]
-                r = generate(ep, prompt, len(force), force=force)
+                r = generate(ep, prompt, len(force), custom=dcustom, force=force)
                 scores = forced_scores(r, force)[1:]
                 ref = prefill_logprobs(ep, prompt + force, len(prompt) + 1)
                 diff = max(abs(a - b) for (a, _), b in zip(scores, ref, strict=True))
                 dense["nll"][(name, n)] = {"lp": [s for s, _ in scores], "top1": [t for _, t in scores],
                                            "decode_vs_prefill_max_abs": round(diff, 5),
                                            "seconds": round(r["seconds"], 2)}  # fmt: skip
-                g = generate(ep, prompt, args.agree_tokens)
+                g = generate(ep, prompt, args.agree_tokens, custom=dcustom)
                 dense["agreement"][(name, n)] = g["output_ids"]
     timing["dense_phase_s"] = round(time.monotonic() - t0, 1)
 
     # ---- sparse: per prompt, every configuration and k
     t0 = time.monotonic()
     cell_seconds: dict = defaultdict(float)
-    with served("dualdecoder", args.dd_url, args.dd_metrics_url, tmp, CAP) as ep:
+    with served("dualdecoder", args.dd_url or (ep.url if full else None), args.dd_metrics_url or
+                (ep.metrics_url if full else None), tmp, CAP) as ep:  # fmt: skip
         timing["dd_server_start_s"] = ep.start_seconds
         grid = [(name, custom, f) for name, custom in configs.items() for f in fractions]
         for n in contexts:
@@ -320,7 +338,7 @@ def summarize(args, contexts, fractions, texts, configs, trial_cases, dense, rec
                      "decode path, greedy agreement; CPU, SmolLM2-135M",
         "settings": {"contexts": contexts, "fractions": fractions, "trials": args.trials, "texts": texts,
                      "nll_tokens": args.nll_tokens, "agree_tokens": args.agree_tokens,
-                     "retrieval_tokens": RETRIEVAL_TOKENS, "configs": configs, "default_config": DEFAULT_CONFIG,
+                     "retrieval_tokens": RETRIEVAL_TOKENS, "dense": args.dense, "configs": configs, "default_config": DEFAULT_CONFIG,
                      "prefetch_hit_rate_sample": 1.0, "quick": args.quick},
         "dense": dense_cells,
         "cells": cells,
@@ -350,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                     "--enable-custom-logit-processor) instead of starting one")  # fmt: skip
     ap.add_argument("--dd-url", default=None, help="a running dualdecoder server (same flag) instead of starting one")
     ap.add_argument("--dd-metrics-url", default=None, help="its sidecar (needed with --dd-url)")
+    ap.add_argument("--dense", choices=["torch_native", "full_top_k"], default="torch_native",
+                    help="dense reference: a torch_native server, or the dualdecoder server at dd_top_k >= context "
+                         "(one server for the whole run; each prompt prefilled once)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help=f"tiny run for the test suite: {QUICK}")
     args = ap.parse_args(argv)
     if args.quick:
@@ -363,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
     }
-    result.update(run(args))
+    try:
+        result.update(run(args))
+    finally:
+        stop_left_running()
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
