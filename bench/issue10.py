@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench.issue10 [--dd-url URL --dd-metrics-url URL] [--out bench/results/issue10_cpu.json]
-                            [--skip-offline]
+                            [--configs NAME,...] [--sweep NAME,...] [--sweep-k 512,2048] [--skip-offline]
 
 Input: :func:`bench.texts.issue10_prompt` (Debian's Apache-2.0 then GPL-3
 words, ``random.Random(2)`` window of 3,000 words, "The navigator of the
@@ -42,9 +42,10 @@ from pathlib import Path
 from bench.client import Counters, forced_scores, generate, n_layers_of_model, served
 from bench.texts import issue10_prompt
 
+DEFAULT = {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
 REF = {"dd_top_k": 8192, "dd_selector": "oracle", "dd_speculator": "none"}
 CONFIGS = {
-    "default (spec_host+dual_token, 256)": {},
+    "default": {},
     "oracle": {"dd_selector": "oracle", "dd_speculator": "none"},
     "spec_host+dual_token+repair": {"dd_miss_policy": "repair"},
     "spec_host+ngram": {"dd_selector": "spec_host", "dd_speculator": "ngram"},
@@ -53,7 +54,9 @@ CONFIGS = {
     "recency": {"dd_selector": "recency", "dd_speculator": "none"},
     "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},
 }
-TOP_K_SWEEP = (64, 128, 512, 1024, 2048)
+TOP_K_SWEEP = "512,2048"
+#: Configurations whose failure is followed by the top_k sweep (what top_k does the selector need?).
+SWEPT = "spec_host+ngram"
 
 
 def serve_part(args, tok, ids, n_layers, tmp) -> dict:
@@ -62,7 +65,8 @@ def serve_part(args, tok, ids, n_layers, tmp) -> dict:
         ref = generate(ep, ids, 16, custom=REF)
         ref_ids = ref["output_ids"]
         out["reference"] = {"text": ref["text"], "ids": ref_ids, "pieces": [tok.decode([t]) for t in ref_ids]}
-        todo = dict(CONFIGS)
+        todo = {name: CONFIGS[name] for name in args.configs.split(",")}
+        swept, sweep_k = args.sweep.split(","), [int(k) for k in args.sweep_k.split(",")]
         results = out["configs"]
         while todo:
             name = next(iter(todo))
@@ -80,19 +84,19 @@ def serve_part(args, tok, ids, n_layers, tmp) -> dict:
                 "leaves_reference_at": leave,
                 "leaves_with": None if leave is None else tok.decode([got[leave]]),
                 "forced_logprob": [round(s, 4) for s, _ in scores], "forced_not_argmax_steps": lost_steps,
-                "prefetch_greedy": c.prefetch(custom or {"dd_selector": "spec_host", "dd_speculator": "dual_token"}, n_layers),
-                "prefetch_forced": cf.prefetch(custom or {"dd_selector": "spec_host", "dd_speculator": "dual_token"}, n_layers),
+                "prefetch_greedy": c.prefetch({**DEFAULT, **custom}, n_layers),
+                "prefetch_forced": cf.prefetch({**DEFAULT, **custom}, n_layers),
             }  # fmt: skip
             print(f"{name:40s} {g['text']!r:60s} leaves at {leave} forced-not-argmax {lost_steps}", flush=True)
-            if not results[name]["found"] and "dd_top_k" not in custom and not name.startswith("oracle"):
-                for k in TOP_K_SWEEP:  # what top_k does this configuration need?
+            if not results[name]["found"] and name in swept:
+                for k in sweep_k:  # what top_k does this configuration need?
                     todo[f"{name} @ top_k {k}"] = {**custom, "dd_top_k": k}
         # Per-layer recall at the first losing step of each losing configuration (forced, s vs s + 1 tokens).
         for r in list(results.values()):
-            if r["found"] or not r["forced_not_argmax_steps"]:
+            if r["found"] or not r["forced_not_argmax_steps"] or "dd_top_k" in r["custom_params"]:
                 continue
             s = r["forced_not_argmax_steps"][0]
-            custom = r["custom_params"] or {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
+            custom = {"dd_selector": "spec_host", "dd_speculator": "dual_token", **r["custom_params"]}
             with Counters(ep) as a:
                 generate(ep, ids, s, custom=r["custom_params"], force=ref_ids[:s])
             with Counters(ep) as b:
@@ -168,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dd-url", default=None)
     ap.add_argument("--dd-metrics-url", default=None)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
+    ap.add_argument("--sweep", default=SWEPT, help="configurations swept over --sweep-k when they lose the answer")
+    ap.add_argument("--sweep-k", default=TOP_K_SWEEP)
     args = ap.parse_args(argv)
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            ap.error(f"--configs: unknown {name!r}; known: {list(CONFIGS)}")
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model

@@ -38,6 +38,7 @@ def dd_server(model_path, tmp_path_factory):
             tmp / "server.log",
             8192,
             ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, 1.0)), *COMMON_FLAGS],
+            timeout=900,  # a loaded 2-core machine has taken over 300 s to start one
         )
     except RuntimeError as err:
         pytest.fail(str(err))
