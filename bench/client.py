@@ -22,6 +22,11 @@ from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
 
 #: Flags every benchmark server gets: teacher forcing needs custom logit processors.
 COMMON_FLAGS = ["--enable-custom-logit-processor"]
+#: Extra flags of a dense (torch_native) benchmark server. Teacher forcing reads the step's index from
+#: ``len(req.output_ids)``; under SGLang's overlap scheduler that lags one step behind (the previous
+#: step's token is appended after the next step's logits are processed), so the forced sequence would
+#: repeat its first token. The dualdecoder launcher turns overlap scheduling off already.
+DENSE_FLAGS = ["--disable-overlap-schedule"]
 
 
 @dataclass
@@ -33,11 +38,14 @@ class Endpoint:
     start_seconds: float | None = None  # None: handed in, not started here
 
 
-def bench_preset(tmp: Path, hit_rate_sample: float = 1.0) -> Path:
-    """The default CPU preset with ``prefetch.hit_rate_sample`` set (1.0: every step measured)."""
+def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None) -> Path:
+    """The default CPU preset with ``prefetch.hit_rate_sample`` set (1.0: every step measured) and,
+    optionally, ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory)."""
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
-    path = tmp / f"preset_hit_rate_{hit_rate_sample}.yaml"
+    if host_tier_bytes is not None:
+        preset["sparse"]["host_tier_bytes"] = host_tier_bytes
+    path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return path
 
@@ -66,6 +74,8 @@ def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, ma
         yield Endpoint(url, metrics_url)
         return
     extra = ["--attention-backend", backend, *COMMON_FLAGS]
+    if backend == "torch_native":
+        extra += DENSE_FLAGS
     if backend == "dualdecoder":
         extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample))]
     srv = start_server(tmp / f"{backend}.log", max_total_tokens, extra, timeout=900)

@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default=None, help="comma list of bench.texts.TEXTS (default: all available)")
     ap.add_argument("--configs", default=None, help="comma list of configuration names, or 'all'")
     ap.add_argument("--dense-url", default=None, help="a running torch_native server (with "
-                    "--enable-custom-logit-processor) instead of starting one")  # fmt: skip
+                    "--enable-custom-logit-processor --disable-overlap-schedule: teacher forcing needs both) "
+                    "instead of starting one")  # fmt: skip
     ap.add_argument("--dd-url", default=None, help="a running dualdecoder server (same flag) instead of starting one")
     ap.add_argument("--dd-metrics-url", default=None, help="its sidecar (needed with --dd-url)")
     ap.add_argument("--dense", choices=["torch_native", "full_top_k"], default="torch_native",

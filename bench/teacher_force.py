@@ -57,6 +57,10 @@ class ForceTokensScored(CustomLogitProcessor):
     :func:`decode_scores` recovers ``lp[f] = lp'[a] - lp'[f] + 1`` and
     ``max(lp) = lp'[b] - lp'[f] + 1`` (differences of float32 log-softmax
     outputs: exact to ~1e-6). Requests must be greedy (``temperature: 0``).
+
+    Like :class:`ForceTokens` (and SGLang's own processors) it reads the step's index
+    from ``len(req.output_ids)``, which lags one step under SGLang's overlap scheduler:
+    the server must run with ``--disable-overlap-schedule`` (``dualdecoder`` always does).
     """
 
     def __call__(self, logits: torch.Tensor, custom_param_list=None) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """Answer quality of the sparse path: issue 10's failing input, and the quality benches at tiny size.
 
-Servers: the session's dense one (``server``, torch_native, custom logit
-processors on) and one ``dualdecoder`` server for this module (default CPU
-preset with ``prefetch.hit_rate_sample: 1``, custom logit processors on), both
-driven only through HTTP and the sidecar's ``/metrics``.
+Servers: the session's dense one (``server``, torch_native: issue 10's dense
+answer) and one ``dualdecoder`` server for this module (default CPU preset with
+``prefetch.hit_rate_sample: 1`` and a 512 MiB host tier, custom logit processors
+on), driven only through HTTP and the sidecar's ``/metrics``. The quick fidelity
+run takes its dense reference from the ``dualdecoder`` server at full top_k
+(``--dense full_top_k``): teacher forcing needs overlap scheduling off, which
+the session's dense server keeps on.
 
 * Issue 10's input (built exactly as the issue says, :func:`bench.texts.issue10_prompt`):
   dense, the default sparse configuration and ``oracle`` must answer "Leopold".
@@ -37,7 +40,8 @@ def dd_server(model_path, tmp_path_factory):
         srv = start_server(
             tmp / "server.log",
             8192,
-            ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, 1.0)), *COMMON_FLAGS],
+            ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, 1.0, 512 << 20)),
+             *COMMON_FLAGS],  # fmt: skip
             timeout=900,  # a loaded 2-core machine has taken over 300 s to start one
         )
     except RuntimeError as err:
@@ -67,12 +71,13 @@ def test_issue10_input_answers_leopold(server, dd_server, tokenizer, config, cus
     assert re.search(r"\bLeopold\b", answer), f"{config} answered {answer!r}"
 
 
-def test_forced_scores_are_the_models_own_logprobs(server, tokenizer):
-    """Teacher forcing through decode steps on the dense server returns, per forced token, the same
-    log-probability as SGLang's dense prefill of prompt + forced tokens (an independent computation)."""
+def test_forced_scores_are_the_models_own_logprobs(dd_server, tokenizer):
+    """Teacher forcing through decode steps (a 380-token prompt: below min_sparse_len, so the
+    dualdecoder server decodes it densely) returns, per forced token, the same log-probability as
+    SGLang's dense prefill of prompt + forced tokens (an independent computation)."""
     ids = tokenizer.encode(text("python_docs"))[2000:2400]
     prompt, force = ids[:380], ids[380:392]
-    ep = Endpoint(server.url)
+    ep = Endpoint(dd_server.url)
     r = generate(ep, prompt, len(force), force=force)
     assert r["output_ids"] == force
     scores = forced_scores(r, force)
@@ -87,13 +92,13 @@ def test_forced_scores_are_the_models_own_logprobs(server, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def quick_results(server, dd_server, tmp_path_factory):
+def quick_results(dd_server, tmp_path_factory):
     """Run both quality benches' --quick modes against the two servers, then bench.report; their outputs."""
     from bench import fidelity, prediction, report
 
     tmp = tmp_path_factory.mktemp("quick")
     urls = ["--dd-url", dd_server.url, "--dd-metrics-url", dd_server.metrics_url]
-    assert fidelity.main(["--quick", "--dense-url", server.url, *urls, "--out", str(tmp / "fid.json")]) == 0
+    assert fidelity.main(["--quick", "--dense", "full_top_k", *urls, "--out", str(tmp / "fid.json")]) == 0
     assert prediction.main(["--quick", *urls, "--out", str(tmp / "pred.json")]) == 0
     assert report.main(["--fidelity", str(tmp / "fid.json"), "--prediction", str(tmp / "pred.json")]) == 0
     return (json.loads((tmp / "fid.json").read_text()), json.loads((tmp / "pred.json").read_text()), tmp)
