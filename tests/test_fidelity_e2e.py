@@ -31,6 +31,8 @@ from bench.texts import LICENSES, issue10_prompt, text
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
+#: Largest difference between a decode step's and the prefill's log-probability of one token (nats).
+BF16_LOGPROB_TOL = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,10 @@ def test_forced_scores_are_the_models_own_logprobs(dd_server, tokenizer):
     assert len(ref) == len(scores) == len(force)
     for (lp, _), want in zip(scores, ref, strict=True):
         assert lp <= 0.0
-        assert abs(lp - want) < 0.05, (lp, want)
+        # Decode and prefill differ only by bf16 rounding: the model's logits are bf16, whose step is
+        # 0.0625-0.125 at |logit| 8-32 (measured here: up to 0.104 nats; the carrier itself is exact,
+        # tests/test_bench_quality_units.py). A wrong token or a lagging step is off by nats.
+        assert abs(lp - want) < BF16_LOGPROB_TOL, (lp, want)
     # The argmax flag agrees with a plain greedy step from the same context.
     greedy = generate(ep, prompt, 1)["output_ids"][0]
     assert scores[0][1] == (greedy == force[0])
@@ -124,7 +129,7 @@ def test_fidelity_quick_fields(quick_results):
     assert r["trials"] == 2 and 0 <= r["found"] <= 2
     assert 0 <= r["ci_low"] <= r["accuracy"] <= r["ci_high"] <= 1
     assert d["nll"]["tokens"] == s["nll_tokens"] * len(s["texts"]) and d["nll"]["mean"] > 0
-    assert d["nll"]["decode_vs_prefill_max_abs"] < 0.05  # the decode-path scoring is the model's own
+    assert d["nll"]["decode_vs_prefill_max_abs"] < BF16_LOGPROB_TOL  # decode-path scoring = the model's own
     assert len(fid["dense_trials"]) == 2
     assert len(fid["cells"]) == len(s["configs"]) * len(s["fractions"])
     for c in fid["cells"]:
