@@ -36,7 +36,7 @@ def server(model_path, tmp_path_factory) -> ServerProcess:
     """
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     try:
-        srv = start_server(log_path, TEST_MAX_TOTAL_TOKENS)
+        srv = start_server(log_path, TEST_MAX_TOTAL_TOKENS, timeout=900)  # a loaded 2-core machine: > 300 s
     except RuntimeError as err:
         pytest.fail(str(err))
     yield srv

@@ -1,0 +1,207 @@
+"""HTTP client helpers shared by the quality benchmarks: servers by URL, requests, per-request counters.
+
+Everything here goes through the public interface only: SGLang's ``/generate``
+and the sidecar's ``/metrics`` (:func:`bench.server.scrape`). A benchmark either
+starts its own servers (:func:`bench.server.start_server`) or is handed the URLs
+of running ones (``--dense-url``, ``--dd-url`` and ``--dd-metrics-url``), e.g.
+the test session's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.server import ROOT, scrape, start_server
+from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
+
+#: Flags every benchmark server gets: teacher forcing needs custom logit processors.
+COMMON_FLAGS = ["--enable-custom-logit-processor"]
+#: Extra flags of a dense (torch_native) benchmark server. Teacher forcing reads the step's index from
+#: ``len(req.output_ids)``; under SGLang's overlap scheduler that lags one step behind (the previous
+#: step's token is appended after the next step's logits are processed), so the forced sequence would
+#: repeat its first token. The dualdecoder launcher turns overlap scheduling off already.
+DENSE_FLAGS = ["--disable-overlap-schedule"]
+
+
+@dataclass
+class Endpoint:
+    """A server to send requests to: SGLang's base URL and, for ``dualdecoder``, the sidecar's."""
+
+    url: str
+    metrics_url: str | None = None
+    start_seconds: float | None = None  # None: handed in, not started here
+
+
+def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None) -> Path:
+    """The default CPU preset with ``prefetch.hit_rate_sample`` set (1.0: every step measured) and,
+    optionally, ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory)."""
+    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+    preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
+    if host_tier_bytes is not None:
+        preset["sparse"]["host_tier_bytes"] = host_tier_bytes
+    path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return path
+
+
+#: Servers started with ``served(..., keep=True)``; :func:`stop_left_running` stops them.
+LEFT_RUNNING: list = []
+
+
+def stop_left_running() -> None:
+    """Stop the servers :func:`served` left running."""
+    while LEFT_RUNNING:
+        LEFT_RUNNING.pop().stop()
+
+
+@contextlib.contextmanager
+def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, max_total_tokens: int,
+           hit_rate_sample: float = 1.0, keep: bool = False):  # fmt: skip
+    """Yield an :class:`Endpoint`: the given URLs, or a server started here and stopped on exit.
+
+    ``backend``: ``torch_native`` (dense) or ``dualdecoder`` (the latter with
+    :func:`bench_preset`). ``keep``: a server started here is left running (the
+    caller stops it: :data:`LEFT_RUNNING`) so a later phase can reuse it. Raises ``RuntimeError`` when a started server fails
+    (the message carries its log tail).
+    """
+    if url:
+        yield Endpoint(url, metrics_url)
+        return
+    extra = ["--attention-backend", backend, *COMMON_FLAGS]
+    if backend == "torch_native":
+        extra += DENSE_FLAGS
+    if backend == "dualdecoder":
+        extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample))]
+    srv = start_server(tmp / f"{backend}.log", max_total_tokens, extra, timeout=900)
+    if keep:
+        LEFT_RUNNING.append(srv)
+        yield Endpoint(srv.url, srv.metrics_url, round(srv.start_seconds, 1))
+        return
+    try:
+        yield Endpoint(srv.url, srv.metrics_url, round(srv.start_seconds, 1))
+    finally:
+        rc, alive = srv.stop()
+        if rc != 0 or alive:
+            print(f"warning: {backend} server stopped with exit code {rc}, processes left {alive}")
+
+
+def generate(ep: Endpoint, ids: list[int], n_new: int, sampling: dict | None = None, custom: dict | None = None,
+             force: list[int] | None = None, stop: list[str] | None = None) -> dict:  # fmt: skip
+    """One ``/generate`` request; returns the response JSON plus ``seconds`` (wall time).
+
+    ``force``: teacher-force the output to these ids with
+    :class:`bench.teacher_force.ForceTokensScored` (greedy; the response then
+    carries the carrier log-probabilities, see :func:`forced_scores`).
+    """
+    sp = {"temperature": 0, **(sampling or {}), "max_new_tokens": n_new, "custom_params": dict(custom or {})}
+    body: dict = {"input_ids": ids, "sampling_params": sp}
+    if stop:
+        sp["stop"] = stop
+    else:
+        sp["ignore_eos"] = True
+    if force is not None:
+        sp["custom_params"]["force_ids"] = list(force)
+        sp["temperature"] = 0
+        body.update(custom_logit_processor=ForceTokensScored.to_str(), return_logprob=True,
+                    token_ids_logprob=list(CARRIER_IDS))  # fmt: skip
+    t0 = time.monotonic()
+    r = httpx.post(f"{ep.url}/generate", json=body, timeout=7200)
+    if r.status_code != 200:
+        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:500]}")
+    out = r.json()
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def forced_scores(resp: dict, force: list[int]) -> list[tuple[float, bool]]:
+    """``(log-probability, was argmax)`` per forced token of a :func:`generate` ``force`` response."""
+    return decode_scores(resp["meta_info"], force)
+
+
+def prefill_logprobs(ep: Endpoint, ids: list[int], start: int) -> list[float]:
+    """Log-probabilities of ``ids[start:]`` scored by one dense prefill of ``ids`` (SGLang's input logprobs).
+
+    The reference the decode-path scoring is checked against: position ``p``'s
+    value is ``log p(ids[p] | ids[:p])``. (SGLang returns None for the token at
+    ``logprob_start_len`` itself, hence ``start - 1``.)
+    """
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+            "return_logprob": True, "logprob_start_len": start - 1}  # fmt: skip
+    r = httpx.post(f"{ep.url}/generate", json=body, timeout=7200)
+    r.raise_for_status()
+    rows = r.json()["meta_info"]["input_token_logprobs"]
+    vals = [float(v) for v, *_ in rows if v is not None]
+    return vals[-(len(ids) - start) :]
+
+
+class Counters:
+    """The sidecar's ``dd_`` samples around one request: ``with Counters(ep) as c: ...; c.delta(name)``."""
+
+    def __init__(self, ep: Endpoint):
+        self.ep = ep
+        self.before: dict[str, float] = {}
+        self.after: dict[str, float] = {}
+
+    def __enter__(self):
+        if self.ep.metrics_url:
+            self.before = scrape(self.ep.metrics_url)
+        return self
+
+    def __exit__(self, *exc):
+        if self.ep.metrics_url:
+            self.after = scrape(self.ep.metrics_url)
+        return False
+
+    def delta(self, name: str) -> float:
+        return self.after.get(name, 0.0) - self.before.get(name, 0.0)
+
+    def prefetch(self, custom: dict, n_layers: int) -> dict:
+        """This request's prefetch figures from the counters (lookahead selectors; None where not measured).
+
+        ``recall`` = hits / lookups (|set fixed one step earlier ∩ exact top-k| / k over
+        sampled (step, layer, KV head)s), ``mass_coverage`` = softmax mass on the prefetched
+        set / mass on the exact top-k, ``acceptance`` = accepted / proposed speculations,
+        ``per_layer_recall`` = mean per-(step) recall of each layer (the per-layer histogram's
+        sum / count), ``sparse_rows`` = (step, layer) rows decoded sparsely, ``repaired``/``misses``.
+        """
+        sel, spec = custom.get("dd_selector", "spec_host"), custom.get("dd_speculator", "dual_token")
+        spec_lab = spec if sel == "spec_host" else "none"
+        lab = f'{{selector="{sel}",speculator="{spec_lab}"}}'
+        lookups = self.delta(f"dd_prefetch_lookups_total{lab}")
+        top = self.delta(f"dd_prefetch_mass_top_k_total{lab}")
+        proposed = self.delta(f'dd_spec_proposed_total{{speculator="{spec}"}}')
+        per_layer = {}
+        for layer in range(n_layers):
+            c = self.delta(f'dd_prefetch_layer_hit_rate_count{{layer="{layer}"}}')
+            if c:
+                per_layer[layer] = round(self.delta(f'dd_prefetch_layer_hit_rate_sum{{layer="{layer}"}}') / c, 5)
+        misses = sum(self.delta(f'dd_prefetch_misses_total{{policy="{p}"}}') for p in ("use_prefetched", "repair"))
+        return {
+            "lookups": int(lookups),
+            "hits": int(self.delta(f"dd_prefetch_hits_total{lab}")),
+            "recall": round(self.delta(f"dd_prefetch_hits_total{lab}") / lookups, 5) if lookups else None,
+            "mass_coverage": round(self.delta(f"dd_prefetch_mass_prefetched_total{lab}") / top, 5) if top else None,
+            "proposed": int(proposed),
+            "accepted": int(self.delta(f'dd_spec_accepted_total{{speculator="{spec}"}}')),
+            "acceptance": round(self.delta(f'dd_spec_accepted_total{{speculator="{spec}"}}') / proposed, 5)
+            if proposed else None,
+            "per_layer_recall": per_layer,
+            "sparse_rows": int(self.delta("dd_sparse_decode_rows_total")),
+            "lookahead_misses": int(misses),
+            "repaired_tokens": int(self.delta("dd_prefetch_repaired_tokens_total")),
+        }  # fmt: skip
+
+
+def n_layers_of_model() -> int:
+    """Decoder layers of the embedded model (its converted ``config.json``)."""
+    import json
+
+    from dd_sglang.models.smollm2 import prepare_model
+
+    return int(json.loads((prepare_model(progress=False) / "config.json").read_text())["num_hidden_layers"])

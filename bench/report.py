@@ -1,0 +1,221 @@
+"""Markdown tables and PNG plots from the quality benchmarks' JSON (``bench.fidelity``, ``bench.prediction``).
+
+Usage::
+
+    python -m bench.report [--fidelity bench/results/fidelity_cpu.json]
+                           [--prediction bench/results/prediction_cpu.json] [--plots bench/results]
+
+Prints the Markdown the README embeds (a file that does not exist is skipped
+with a note) and writes, next to the JSON unless ``--plots`` says otherwise:
+``fidelity_accuracy.png`` (retrieval accuracy vs top_k per configuration, one
+panel per context, dense as a band), ``prediction_layers.png`` (recall per
+layer per configuration and the ceiling, one panel per context and k, sampled
+regime), ``prediction_regimes.png`` (recall by regime per configuration, with
+the ceiling and recency baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _ci(d: dict | None, digits: int = 3) -> str:
+    if not d or d.get("mean") is None:
+        return "–"
+    if d.get("ci_low") is None:
+        return f"{d['mean']:.{digits}f}"
+    return f"{d['mean']:.{digits}f} [{d['ci_low']:.{digits}f}, {d['ci_high']:.{digits}f}]"
+
+
+def _k_label(c: dict) -> str:
+    return f"{c['k']} (1/{c['fraction']})"
+
+
+def fidelity_tables(res: dict) -> str:
+    """Markdown: one table per context (dense first, then each configuration and k)."""
+    lines = [f"Command: `{res.get('command', '?')}` ({res.get('wall_seconds', '?')} s); "
+             f"default configuration `{res['settings']['default_config']}`; texts {', '.join(res['settings']['texts'])}.",
+             ""]  # fmt: skip
+    for d in res["dense"]:
+        n = d["context"]
+        r = d["retrieval"]
+        lines += [f"**Context {n} tokens**", "",
+                  "| configuration | top_k | retrieval (95% CI) | NLL nats/token (x dense) | NLL Δ vs dense (95% CI) "
+                  "| forced top-1 | greedy agreement: leading / matching | prefetch recall | mass | acceptance |",
+                  "|---|---|---|---|---|---|---|---|---|---|",
+                  f"| dense | all | {r['found']}/{r['trials']} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
+                  f"| {d['nll']['mean']:.4f} (1.000) | – | {d['nll']['top1']:.3f} | – | – | – | – |"]  # fmt: skip
+        for c in (c for c in res["cells"] if c["context"] == n):
+            r, nl, a, p = c["retrieval"], c["nll"], c["agreement"], c["prefetch"]
+            fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+            lines.append(
+                f"| {c['config']} | {_k_label(c)} | {r['found']}/{r['trials']} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
+                f"| {nl['mean']:.4f} ({nl['ratio_to_dense']:.3f}) | {_ci(nl['delta_vs_dense'], 4)} | {nl['top1']:.3f} "
+                f"| {a['identical_leading_mean']:.1f} / {a['matching_fraction']:.2f} of {a['of']} "
+                f"| {fmt(p['recall'])} | {fmt(p['mass_coverage_mean'])} | {fmt(p['acceptance'])} |"
+            )
+        lines.append("")
+    lost = res.get("default_lost_vs_oracle", [])
+    lines.append(f"Retrieval trials the default configuration misses while `oracle` at the same top_k finds them: "
+                 f"{len(lost)}.")  # fmt: skip
+    for x in lost[:20]:
+        lines.append(f"- context {x['context']}, k {x['k']}, trial {x['trial']} ({x['text']}, {x['kind']}, depth "
+                     f"{x['depth']}): expected {x['answer']!r}, default {x['completion']!r}, oracle "
+                     f"{x['oracle_completion']!r}")  # fmt: skip
+    lines.append("")
+    return "\n".join(lines)
+
+
+def prediction_tables(res: dict) -> str:
+    """Markdown: recall / mass / acceptance per cell with the ceiling and recency baseline beside it."""
+    lines = [f"Command: `{res.get('command', '?')}` ({res.get('wall_seconds', '?')} s); "
+             f"{res['settings']['tokens']} output tokens per request, texts {', '.join(res['settings']['texts'])}, "
+             f"{res['settings']['windows']} window(s) each; mean [95% t interval] over requests.", "",
+             "| context | top_k | regime | configuration | recall | mass coverage | acceptance |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    ceil = {(c["context"], c["fraction"], c["regime"]): c for c in res.get("ceiling_cells", [])}
+    seen = set()
+    for c in res["cells"]:
+        key = (c["context"], c["fraction"], c["regime"])
+        lines.append(f"| {c['context']} | {_k_label(c)} | {c['regime']} | {c['config']} | {_ci(c['recall'])} "
+                     f"| {_ci(c['mass_coverage'])} | {_ci(c['acceptance'])} |")  # fmt: skip
+        nxt = res["cells"][res["cells"].index(c) + 1] if c is not res["cells"][-1] else None
+        end_of_group = nxt is None or (nxt["context"], nxt["fraction"], nxt["regime"]) != key
+        if end_of_group and key in ceil and key not in seen:
+            seen.add(key)
+            e = ceil[key]
+            lines.append(f"| {c['context']} | {_k_label(c)} | {c['regime']} | *ceiling (perfect speculator, HF)* "
+                         f"| {_ci(e['ceiling_recall'])} | {_ci(e['ceiling_mass'])} | {e['spec_equals_real']:.3f} |")  # fmt: skip
+            lines.append(f"| {c['context']} | {_k_label(c)} | {c['regime']} | *recency (previous exact set, HF)* "
+                         f"| {_ci(e['recency_recall'])} | {_ci(e['recency_mass'])} | – |")  # fmt: skip
+    for key, e in ceil.items():  # ceiling-only runs (--skip-serving)
+        if key not in seen:
+            lines.append(f"| {e['context']} | {_k_label(e)} | {e['regime']} | *ceiling (perfect speculator, HF)* "
+                         f"| {_ci(e['ceiling_recall'])} | {_ci(e['ceiling_mass'])} | {e['spec_equals_real']:.3f} |")  # fmt: skip
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot_fidelity(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [d["context"] for d in res["dense"]]
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    for ax, d in zip(axes[0], res["dense"], strict=True):
+        n = d["context"]
+        ax.axhspan(d["retrieval"]["ci_low"], d["retrieval"]["ci_high"], color="grey", alpha=0.2,
+                   label=f"dense {d['retrieval']['accuracy']:.2f}")  # fmt: skip
+        for name in res["settings"]["configs"]:
+            cs = sorted((c for c in res["cells"] if c["context"] == n and c["config"] == name), key=lambda c: c["k"])
+            if not cs:
+                continue
+            ks = [c["k"] for c in cs]
+            acc = [c["retrieval"]["accuracy"] for c in cs]
+            err = [[a - c["retrieval"]["ci_low"] for a, c in zip(acc, cs, strict=True)],
+                   [c["retrieval"]["ci_high"] - a for a, c in zip(acc, cs, strict=True)]]  # fmt: skip
+            ax.errorbar(ks, acc, yerr=err, marker="o", capsize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"context {n} tokens")
+        ax.set_xlabel("top_k (tokens per layer and KV head)")
+        ax.set_ylabel("retrieval accuracy (95% Wilson CI)")
+        ax.set_ylim(-0.05, 1.05)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_prediction(res: dict, layers_path: Path, regimes_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = res["settings"]
+    ceil = {(c["context"], c["fraction"], c["regime"]): c for c in res.get("ceiling_cells", [])}
+    groups = [(n, f) for n in s["contexts"] for f in s["fractions"]]
+    regime = "sample_t0.8" if "sample_t0.8" in s["regimes"] else s["regimes"][0]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (n, f) in zip(axes[0], groups, strict=True):
+        for c in res["cells"]:
+            if (c["context"], c["fraction"], c["regime"]) == (n, f, regime) and c["per_layer_recall"]:
+                layers = sorted(int(x) for x in c["per_layer_recall"])
+                ax.plot(layers, [c["per_layer_recall"][x if x in c["per_layer_recall"] else str(x)]["mean"]
+                                 for x in layers], marker=".", label=c["config"])  # fmt: skip
+        e = ceil.get((n, f, regime))
+        if e:
+            ax.plot(range(len(e["ceiling_recall_per_layer"])), e["ceiling_recall_per_layer"], "k--", label="ceiling (HF)")
+            ax.plot(range(len(e["recency_recall_per_layer"])), e["recency_recall_per_layer"], "k:", label="recency (HF)")
+        ax.set_title(f"{regime}, context {n}, k = 1/{f}")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("prefetch recall")
+        ax.set_ylim(0, 1.02)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(layers_path, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (n, f) in zip(axes[0], groups, strict=True):
+        names = list(s["configs"]) + ["ceiling (HF)", "recency (HF)"]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            means, errs = [], [[], []]
+            for reg in s["regimes"]:
+                if name == "ceiling (HF)":
+                    d = ceil.get((n, f, reg), {}).get("ceiling_recall")
+                elif name == "recency (HF)":
+                    d = ceil.get((n, f, reg), {}).get("recency_recall")
+                else:
+                    d = next((c["recall"] for c in res["cells"]
+                              if (c["context"], c["fraction"], c["regime"], c["config"]) == (n, f, reg, name)), None)  # fmt: skip
+                m = d["mean"] if d and d.get("mean") is not None else float("nan")
+                means.append(m)
+                errs[0].append(m - d["ci_low"] if d and d.get("ci_low") is not None else 0)
+                errs[1].append(d["ci_high"] - m if d and d.get("ci_high") is not None else 0)
+            ax.bar([r + i * width for r in range(len(s["regimes"]))], means, width, yerr=errs, capsize=2, label=name)
+        ax.set_xticks([r + 0.4 - width / 2 for r in range(len(s["regimes"]))], s["regimes"])
+        ax.set_title(f"context {n}, k = 1/{f}")
+        ax.set_ylabel("prefetch recall (95% CI)")
+        ax.set_ylim(0, 1.05)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(regimes_path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--fidelity", default="bench/results/fidelity_cpu.json")
+    ap.add_argument("--prediction", default="bench/results/prediction_cpu.json")
+    ap.add_argument("--plots", default=None, help="folder for the PNGs (default: beside each JSON)")
+    args = ap.parse_args(argv)
+    fid, pred = Path(args.fidelity), Path(args.prediction)
+    if fid.exists():
+        res = json.loads(fid.read_text())
+        print("### Fidelity (bench.fidelity)\n")
+        print(fidelity_tables(res))
+        folder = Path(args.plots) if args.plots else fid.parent
+        plot_fidelity(res, folder / "fidelity_accuracy.png")
+    else:
+        print(f"({fid} not found: no fidelity table)\n")
+    if pred.exists():
+        res = json.loads(pred.read_text())
+        print("### Prefetch prediction (bench.prediction)\n")
+        print(prediction_tables(res))
+        folder = Path(args.plots) if args.plots else pred.parent
+        if res["cells"] or res.get("ceiling_cells"):
+            plot_prediction(res, folder / "prediction_layers.png", folder / "prediction_regimes.png")
+    else:
+        print(f"({pred} not found: no prediction table)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Unit tests of the quality benches' pure parts (no server): intervals, set scoring, prompts, the carrier."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.ceiling import set_scores
+from bench.stats import mean_ci, wilson
+from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
+
+
+def test_wilson_matches_hand_computed_values():
+    # 0/20: upper bound z^2/(n + z^2) = 3.8415 / 23.8415
+    lo, hi = wilson(0, 20)
+    assert lo == 0.0 and hi == pytest.approx(3.841459 / 23.841459, abs=1e-6)
+    lo, hi = wilson(10, 20)  # symmetric around 0.5
+    assert lo == pytest.approx(1 - hi) and lo == pytest.approx(0.299298, abs=1e-5)
+    with pytest.raises(ValueError, match="successes must be in"):
+        wilson(21, 20)
+
+
+def test_mean_ci_uses_student_t():
+    d = mean_ci([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.302653
+    half = 4.302653 / math.sqrt(3)
+    assert d["mean"] == 2.0 and d["n"] == 3
+    assert d["ci_low"] == pytest.approx(2 - half, abs=1e-4) and d["ci_high"] == pytest.approx(2 + half, abs=1e-4)
+    assert mean_ci([0.5]) == {"mean": 0.5, "ci_low": None, "ci_high": None, "n": 1}
+    assert mean_ci([])["mean"] is None
+
+
+def test_set_scores_by_hand():
+    # 2 KV heads, 5 candidates; true top-2 of head 0 = {0, 1}, of head 1 = {4, 3}.
+    true = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.1], [0.05, 0.05, 0.1, 0.3, 0.5]])
+    chosen = torch.tensor([[0, 2], [4, 3]])
+    recall, mass = set_scores(true, chosen, 2)
+    assert recall == pytest.approx(3 / 4)
+    assert mass == pytest.approx((0.4 + 0.1 + 0.5 + 0.3) / (0.4 + 0.3 + 0.5 + 0.3))
+
+
+def _meta_from_processed(logits: torch.Tensor, forced: int) -> dict:
+    """What SGLang returns for a greedy step on already-processed logits (log_softmax of them)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    assert int(lp.argmax()) == forced
+    return {
+        "output_token_logprobs": [[float(lp[forced]), forced, None]],
+        "output_token_ids_logprobs": [[[float(lp[c]), c, None] for c in CARRIER_IDS]],
+    }
+
+
+@pytest.mark.parametrize("forced", [0, 1, 7, 31])
+def test_carrier_recovers_the_models_own_logprob(forced):
+    g = torch.Generator().manual_seed(forced)
+    logits = torch.randn(2, 32, generator=g) * 4
+    want = torch.log_softmax(logits[1], dim=-1)
+    req = SimpleNamespace(output_ids=[5, 6])  # third output token
+    params = [{}, {"force_ids": [5, 6, forced], "__req__": req}]
+    out = ForceTokensScored()(logits.clone(), params)
+    ((lp, is_argmax),) = decode_scores(_meta_from_processed(out[1], forced), [forced])
+    assert lp == pytest.approx(float(want[forced]), abs=1e-5)
+    assert is_argmax == (int(want.argmax()) == forced)
+
+
+def test_decode_scores_rejects_unforced_output():
+    meta = {"output_token_logprobs": [[-0.1, 9, None]], "output_token_ids_logprobs": [[[-3.0, 0, None]]]}
+    with pytest.raises(ValueError, match="not the forced"):
+        decode_scores(meta, [8])
+
+
+def test_needle_prompt_size_depth_and_answer(tokenizer):
+    from bench.texts import needle_prompt
+
+    case = needle_prompt(tokenizer, "python_docs", 1000, 0.25, "fact", 3)
+    assert abs(case.n_tokens - 1000) <= 10
+    assert case.n_tokens == len(tokenizer.encode(case.prompt))
+    body = case.prompt.split("Document:\n", 1)[1].split("\n\nQuestion:", 1)[0]
+    words_before = len(body[: body.index(case.answer)].split())  # the statement sits at 25% of the words
+    assert 0.2 < words_before / len(body.split()) < 0.3
+    assert case.found(f" {case.answer}.") and not case.found(f" {case.answer}son")
+    key = needle_prompt(tokenizer, "python_docs", 1000, 0.5, "passkey", 3)
+    assert key.answer.isdigit() and len(key.answer) == 5 and key.prompt.endswith("The pass key is")
