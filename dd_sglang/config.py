@@ -129,7 +129,7 @@ class PrefetchSection(_Strict):
     when it was accepted, else prompt lookup; ``ngram``: prompt lookup; ``none``:
     the current query). The lookahead selectors' K/V for layer l is copied from
     the host tier while layers ``l - depth .. l - 1`` compute, into a ring of
-    ``depth + 1`` layer buffers. ``miss_policy``: ``use_prefetched`` attends over
+    ``depth + 1`` layer buffers. ``miss_policy`` (default ``repair``): ``use_prefetched`` attends over
     what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
     layer and KV head synchronously when the speculated token was rejected.
     ``hit_rate_sample`` is the fraction of steps whose hit rate is measured
@@ -151,7 +151,7 @@ class PrefetchSection(_Strict):
 
     speculator: Literal["dual_token", "ngram", "none"] = "dual_token"
     depth: int = Field(2, ge=0, le=64)
-    miss_policy: Literal["use_prefetched", "repair"] = "use_prefetched"
+    miss_policy: Literal["use_prefetched", "repair"] = "repair"
     repair_budget: int = Field(32, ge=1, le=1_000_000)
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
     rerank: float = Field(4.0, ge=1.0, le=1024.0)

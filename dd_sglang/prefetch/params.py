@@ -35,7 +35,7 @@ class PrefetchParams:
 
     speculator: str = "dual_token"
     depth: int = 2
-    miss_policy: str = "use_prefetched"
+    miss_policy: str = "repair"
     repair_budget: int = 32
     hit_rate_sample: float = 0.05
     rerank: float = 4.0
