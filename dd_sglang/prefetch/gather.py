@@ -4,8 +4,8 @@ Each selected token of each KV head is one row of ``head_dim`` elements in the
 host tier (a layer's ``[slots, Hkv, D]`` buffer viewed as ``[slots x Hkv, D]``:
 row ``slot x Hkv + h``); its destination is one row of the ring slot (a
 ``[R, Hkv, N, D]`` buffer viewed as ``[R x Hkv x N, D]``: row
-``(r x Hkv + h) x N + c``). :func:`flat_rows` builds the source index once per
-layer; :meth:`RingGather.copy` moves the rows. Three ways, by where the ring
+``(r x Hkv + h) x N + c``, :func:`ring_rows`). :func:`flat_rows` builds the
+source index once per layer; :meth:`RingGather.copy` moves the rows. Three ways, by where the ring
 lives:
 
 * ``cpu``: the "device" is the CPU; one ``index_select`` per K and V, written
@@ -91,33 +91,40 @@ class RingGather:
         return self._transfer
 
     def copy(self, layer: int, src_rows: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
-             dst_rows: torch.Tensor, slot: int = 0) -> int:  # fmt: skip
-        """Copy host rows ``src_rows`` of ``layer`` (K and V) to rows ``dst_rows`` of ``k_dst``/``v_dst``.
+             rows: torch.Tensor | slice, c0: int, width: int, slot: int = 0) -> int:  # fmt: skip
+        """Copy host rows ``src_rows`` of ``layer`` (K and V) into columns ``[c0, c0 + width)`` of
+        plan rows ``rows`` of a ring slot.
 
-        ``k_dst``/``v_dst``: a ring slot, contiguous ``[R, Hkv, N, D]``; ``src_rows``/``dst_rows``:
-        ``[m]`` int64 (:func:`flat_rows`, :func:`ring_rows`); ``slot``: the ring slot index (staging
-        buffers are per slot). On CUDA the call is asynchronous on the current stream.
-        Returns the bytes moved (K and V).
+        ``k_dst``/``v_dst``: the slot, contiguous ``[R, Hkv, N, D]``; ``src_rows``: ``[n x Hkv x
+        width]`` int64 (:func:`flat_rows` of ``[n, Hkv, width]`` slots); ``rows``: the ``n`` plan rows
+        (a slice or ``[n]`` int64); ``slot``: the ring slot index (staging buffers are per slot).
+        On CUDA the call is asynchronous on the current stream. Returns the bytes moved (K and V).
         """
         d = self.host_k.shape[3]
+        hkv = k_dst.shape[1]
         src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
-        dk, dv = k_dst.view(-1, d), v_dst.view(-1, d)
         m = int(src_rows.numel())
-        if self.mode == "cpu":
-            dk[dst_rows] = src_k.index_select(0, src_rows)
-            dv[dst_rows] = src_v.index_select(0, src_rows)
-        elif self.mode == "kernel":
-            self._transfer(src_k=src_k, dst_k=dk, src_v=src_v, dst_v=dv,
+        cols = slice(c0, c0 + width)
+        if self.mode == "kernel":
+            r = torch.arange(k_dst.shape[0])[rows] if isinstance(rows, slice) else rows
+            dst = ring_rows(r, hkv, k_dst.shape[2], c0, width)
+            self._transfer(src_k=src_k, dst_k=k_dst.view(-1, d), src_v=src_v, dst_v=v_dst.view(-1, d),
                            src_indices=src_rows.to(self.device, non_blocking=True),
-                           dst_indices=dst_rows.to(self.device, non_blocking=True),
+                           dst_indices=dst.to(self.device, non_blocking=True),
                            item_size=d * src_k.element_size(), block_quota=BLOCK_QUOTA)  # fmt: skip
+            return 2 * m * d * src_k.element_size()
+        if self.mode == "cpu":
+            kk, vv = src_k.index_select(0, src_rows), src_v.index_select(0, src_rows)
         else:
-            sk, sv = self._stage(slot, m, d, src_k.dtype)
-            torch.index_select(src_k, 0, src_rows, out=sk)
-            torch.index_select(src_v, 0, src_rows, out=sv)
-            dst = dst_rows.to(self.device, non_blocking=True)
-            dk[dst] = sk.to(self.device, non_blocking=True)
-            dv[dst] = sv.to(self.device, non_blocking=True)
+            kk, vv = self._stage(slot, m, d, src_k.dtype)
+            torch.index_select(src_k, 0, src_rows, out=kk)
+            torch.index_select(src_v, 0, src_rows, out=vv)
+        if not isinstance(rows, slice):
+            rows = rows.to(self.device)
+        shape = (-1, hkv, width, d)
+        k_dst[rows, :, cols] = kk.view(shape).to(self.device, non_blocking=True)
+        v_dst[rows, :, cols] = vv.view(shape).to(self.device, non_blocking=True)
+        if self.mode == "staging":
             evt = torch.cuda.Event()
             evt.record()
             self._staging[slot] = (*self._staging[slot][:2], evt)

@@ -38,7 +38,7 @@ import torch
 
 from dd_sglang.kernels.sparse_decode import fold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
+from dd_sglang.prefetch.gather import RingGather, flat_rows
 from dd_sglang.prefetch.index import KeyBlockIndex
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
@@ -186,12 +186,12 @@ class SparseStepRunner:
 
     def _gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
         """The copy of layer ``l``'s fixed rows (plan rows ``[0, n_fixed)``) into its ring slot."""
-        hkv = self.host.k.shape[2]
-        dst = ring_rows(torch.arange(plan.n_fixed), hkv, self.ring.shape[3], plan.n_res, plan.k)
+        rows, c0, k = slice(0, plan.n_fixed), plan.n_res, plan.k
         gather, copied, n_slots = self.gather, self.events.copied, self.ring.n_slots
 
         def copy(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
-            copied(gather.copy(layer, flat_rows(plan.fixed_slots[layer]), k_slot, v_slot, dst, layer % n_slots))
+            src = flat_rows(plan.fixed_slots[layer])
+            copied(gather.copy(layer, src, k_slot, v_slot, rows, c0, k, layer % n_slots))
 
         return copy
 
@@ -240,9 +240,8 @@ class SparseStepRunner:
         """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of plan
         rows ``rows`` of the layer's ring slot (a synchronous copy: a selection at attention time)."""
         k_slot, v_slot = self.ring.slot(layer)
-        _, _, hkv, columns, _ = self.ring.shape
-        dst = ring_rows(rows, hkv, columns, c0, slots.shape[2])
-        n = self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, dst, layer % self.ring.n_slots)
+        n = self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, rows, c0, slots.shape[2],
+                             layer % self.ring.n_slots)  # fmt: skip
         self.events.copied(n)
 
     def _sync_select(self, plan, g, layer, q3, scale) -> None:
@@ -270,8 +269,9 @@ class SparseStepRunner:
         )
         have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
         valid = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
-        held = ((pos.unsqueeze(-1) == have.unsqueeze(-2)) & valid.unsqueeze(-2)).any(dim=-1)
-        top = score.masked_fill(held, float("-inf")).topk(budget, dim=-1).indices
+        held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
+        held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
+        top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
         self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
         self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
 
