@@ -31,6 +31,7 @@ MODULES = (
     "patches.layers_logits_processor",
     "patches.managers_tokenizer_manager",
     "patches.managers_io_struct",
+    "patches.entrypoints_http_server",
 )
 
 

@@ -45,3 +45,17 @@ def test_healthz_503_when_sglang_unreachable(tmp_path):
     r = client.get("/healthz")
     assert r.status_code == 503
     assert r.json()["status"] == "unavailable"
+
+
+def test_stats_needs_the_api_key_metrics_and_healthz_do_not(tmp_path):
+    _write_metrics(tmp_path, 1)
+    client = TestClient(
+        create_app(sglang_url="http://127.0.0.1:9", multiproc_dir=str(tmp_path), health_timeout_s=1, api_key="s3")
+    )
+    assert client.get("/stats").status_code == 401
+    assert client.get("/stats", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/stats", headers={"Authorization": "Basic s3"}).status_code == 401
+    ok = client.get("/stats", headers={"Authorization": "bearer s3"})
+    assert ok.status_code == 200 and ok.json()["metrics"]["dd_device_kv_used_bytes"][0]["value"] == 7 * 23040
+    assert "dd_device_kv_capacity_bytes 2.304e+06" in client.get("/metrics").text
+    assert client.get("/healthz").status_code == 503  # open (no 401): SGLang is just unreachable here
