@@ -94,11 +94,12 @@ class ServerProcess:
         return rc, alive
 
 
-def scrape(metrics_url: str, prefix: str = "dd_") -> dict[str, float]:
-    """The sidecar's ``/metrics`` samples whose name starts with ``prefix``, keyed by name with labels."""
+def scrape(metrics_url: str, prefix: str | tuple[str, ...] = "dd_") -> dict[str, float]:
+    """The sidecar's ``/metrics`` samples whose name starts with ``prefix`` (or one of several),
+    keyed by name with labels."""
     out = {}
     for line in httpx.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(prefix):
+        if line.startswith(prefix) and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out

@@ -12,8 +12,11 @@ regenerated.
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 #: Units implied by a name's last word (Prometheus base units).
 BASE_UNITS = {"bytes": "bytes", "seconds": "seconds"}
@@ -84,6 +87,22 @@ def series() -> list[Series]:
             )  # fmt: skip
         )
     return out
+
+
+def exported_samples() -> set[str]:
+    """Every ``dd_`` sample name ``/metrics`` can carry (counters with ``_total``, histogram parts)."""
+    return {x for s in series() for x in s.samples}
+
+
+def dashboard_queries(path: Path) -> list[str]:
+    """Every PromQL expression of a Grafana dashboard JSON file (its panels' targets)."""
+    panels = json.loads(Path(path).read_text())["panels"]
+    return [t["expr"] for p in panels for t in p.get("targets", []) if t.get("expr")]
+
+
+def dashboard_series(path: Path) -> set[str]:
+    """The ``dd_`` sample names the dashboard at ``path`` queries."""
+    return {m for e in dashboard_queries(path) for m in re.findall(r"\bdd_[a-z0-9_]+", e)}
 
 
 def _cell(text: str) -> str:

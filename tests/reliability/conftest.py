@@ -7,8 +7,8 @@ independently (the session's dense server, byte counts of the preset).
 
 The server (:func:`rel_server`, package scope) is the CPU preset with:
 
-* ``--chunked-prefill-size 256``: a ~1.1k prompt prefills in 5 chunks, so aborts
-  can land between chunks;
+* ``--chunked-prefill-size 128``: a ~2k prompt prefills in 16 chunks, so aborts
+  land between chunks;
 * a sparse geometry that makes pages move often: ``n_recent`` 32 and
   ``page_size`` 16 (defaults 128 and 64), so a generation of ~50 tokens already
   pushes its own first tokens out of the window into the host tier;
@@ -27,20 +27,7 @@ import yaml
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, ServerProcess, start_server
 
-API_KEY = "dd-reliability-key"
-CAP = 4096  # device pool tokens
-PAGE = 16  # sparse.page_size
-N_SINK, N_RECENT = 4, 32
-RESIDENT_BOUND = N_SINK + N_RECENT + PAGE  # most device slots a sparse request holds (n_keep 0)
-BYTES_PER_TOKEN = 23_040  # SmolLM2 bf16: 30 layers x 2 x 3 KV heads x 64 x 2 B
-N_LAYERS = 30
-#: (target tokens, depth, passkey, header) of the prompt whose decode growth fills the host tier.
-GROWTH_PROMPT = (1300, 0.5, 80417, "Growth check 1. ")
-
-
-def host_pages(n_tokens: int) -> int:
-    """Host-tier pages holding ``n_tokens`` tokens."""
-    return -(-n_tokens // PAGE)
+from .geometry import API_KEY, BYTES_PER_TOKEN, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages
 
 
 @pytest.fixture(scope="package")
@@ -70,7 +57,7 @@ def rel_server(model_path, host_usable_bytes, tmp_path_factory) -> ServerProcess
     )
     preset["prefetch"]["hit_rate_sample"] = 1.0
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
-    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "256",
+    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
             "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
     try:
         srv = start_server(tmp / "server.log", CAP, args, api_key=API_KEY)
