@@ -60,7 +60,7 @@ def rel_server(model_path, host_usable_bytes, tmp_path_factory) -> ServerProcess
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
             "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
     try:
-        srv = start_server(tmp / "server.log", CAP, args, api_key=API_KEY)
+        srv = start_server(tmp / "server.log", CAP, args, timeout=900, api_key=API_KEY)
     except RuntimeError as err:
         pytest.fail(str(err))
     yield srv
