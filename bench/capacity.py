@@ -5,9 +5,10 @@ Usage::
     python -m bench.capacity [--out bench/results/capacity_cpu.json] [--requests 8]
                              [--max-total-tokens 8400] [--prompt-tokens 4200] [--new-tokens 32]
 
-For each backend (``torch_native``, then ``dualdecoder``), in one run: start a
-dd_sglang server whose device KV pool holds ``--max-total-tokens`` tokens (8,400:
-two ~4k dense requests), send ``--requests`` distinct ~4k-token passkey prompts
+For each backend (``torch_native``, ``dualdecoder``, then ``torch_native:room``),
+in one run: start a dd_sglang server whose device KV pool holds ``--max-total-tokens``
+tokens (8,400: two ~4k dense requests; ``:room``: every request at once, the dense
+path given the memory the sparse path saves), send ``--requests`` distinct ~4k-token passkey prompts
 at once (greedy, ``--new-tokens`` each, ``ignore_eos``), and sample the sidecar
 every 0.2 s. Recorded per backend:
 
@@ -42,10 +43,17 @@ from bench.prompts import passkey_prompt
 from bench.server import scrape, start_server
 
 
-def run_backend(backend: str, prompts: list[tuple[str, int, int]], args) -> dict:
-    """One server, all prompts at once; see the module docstring for the figures."""
+def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
+    """One server, all prompts at once; see the module docstring for the figures.
+
+    ``spec``: a backend name, or ``name:room`` for a device pool with room for every request densely.
+    """
+    backend, _, room = spec.partition(":")
+    budget = args.max_total_tokens
+    if room:
+        budget = sum(n for _, n, _ in prompts) + len(prompts) * args.new_tokens + 512
     log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
-    srv = start_server(log, args.max_total_tokens, ["--attention-backend", backend])
+    srv = start_server(log, budget, ["--attention-backend", backend], timeout=900)
     samples: list[tuple[float, dict]] = []
     done = threading.Event()
     results: list[dict] = [{} for _ in prompts]
@@ -93,6 +101,7 @@ def run_backend(backend: str, prompts: list[tuple[str, int, int]], args) -> dict
     first = min(r["first_token"] for r in results)
     end = max(r["end"] for r in results)
     return {
+        "device_kv_budget_tokens": budget,
         "engine_start_seconds": round(srv.start_seconds, 1),
         "peak_rss_bytes": srv.peak_rss_bytes,
         "shutdown": {"exit_code": rc, "processes_left": alive},
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=8400)
     ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target (~4k tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--backends", default="torch_native,dualdecoder")
+    ap.add_argument("--backends", default="torch_native,dualdecoder,torch_native:room",
+                    help="backend names; name:room = a device pool with room for every request densely")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -142,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens_per_request": args.new_tokens,
         "backends": runs,
     }
+    base = runs.get("torch_native")
+    if base and "dualdecoder" in runs:
+        dd = runs["dualdecoder"]["output_tokens_per_second"]
+        result["dualdecoder_over_dense_same_budget"] = round(dd / base["output_tokens_per_second"], 3)
+        if "torch_native:room" in runs:
+            room = runs["torch_native:room"]["output_tokens_per_second"]
+            result["dualdecoder_over_dense_with_room"] = round(dd / room, 3)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -13,7 +13,10 @@ to each context length.
 ``prefetch.hit_rate_sample: 1`` so every step is measured,
 ``--enable-custom-logit-processor``). For each context, critical-set size k
 (1/16 and 1/32 of the context), regime and speculator, one request continues
-the text with ``dd_selector: spec_host`` and ``dd_speculator`` set per request.
+the text with ``dd_selector`` (``--selectors``: ``spec_host``, the default, and
+``spec_host_exact``, the same query scored against every host key) and
+``dd_speculator`` set per request; the select worker's time per step
+(``dd_step_phase_seconds_total{phase="select_ahead"}``) is recorded beside.
 Regimes (DESIGN.md "Measuring the prefetch hit rate honestly"): ``greedy``;
 ``sample_t0.8`` (temperature 0.8, top-p 0.95, fixed seed); ``teacher_forced``
 (the output is forced to the text's own next tokens by
@@ -82,12 +85,10 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def _preset(tmp: Path, hit_rate_sample: float, blend: bool | None = None) -> Path:
+def _preset(tmp: Path, hit_rate_sample: float) -> Path:
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
-    if blend is not None:
-        preset["prefetch"]["blend"] = blend
-    path = tmp / f"preset_{hit_rate_sample}_{blend}.yaml"
+    path = tmp / f"preset_{hit_rate_sample}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return path
 
@@ -107,7 +108,7 @@ def generate(
 
 
 def hit_rates(
-    ids_all: list[int], contexts: list[int], n_new: int, tmp: Path, blend: bool | None
+    ids_all: list[int], contexts: list[int], n_new: int, tmp: Path, selectors: list[str]
 ) -> list[dict]:
     """Part 1 (module docstring)."""
     from bench.teacher_force import ForceTokens
@@ -119,16 +120,17 @@ def hit_rates(
             "--attention-backend",
             "dualdecoder",
             "--dd-config",
-            str(_preset(tmp, 1.0, blend)),
+            str(_preset(tmp, 1.0)),
             "--enable-custom-logit-processor",
         ],
     )
     runs = []
     try:
-        grid = [(n, f, r, s) for n in contexts for f in (16, 32) for r in REGIMES for s in SPECULATORS]
-        for n, frac, regime, spec in tqdm(grid, desc="hit rate", unit="run"):
+        grid = [(n, f, r, s, sel) for n in contexts for f in (16, 32) for r in REGIMES for s in SPECULATORS
+                for sel in selectors]  # fmt: skip
+        for n, frac, regime, spec, sel in tqdm(grid, desc="hit rate", unit="run"):
             ids, k = ids_all[:n], n // frac
-            custom = {"dd_selector": "spec_host", "dd_speculator": spec, "dd_top_k": k}
+            custom = {"dd_selector": sel, "dd_speculator": spec, "dd_top_k": k}
             sampling, proc = {"temperature": 0}, None
             if regime == "sample_t0.8":
                 sampling = {"temperature": 0.8, "top_p": 0.95, "sampling_seed": 1234}
@@ -140,7 +142,8 @@ def hit_rates(
             after = scrape(srv.metrics_url)
             if regime == "teacher_forced":
                 assert out["output_ids"] == ids_all[n : n + n_new], "teacher forcing did not hold"
-            lab = f'{{selector="spec_host",speculator="{spec}"}}'
+            lab = f'{{selector="{sel}",speculator="{spec}"}}'
+            steps = _delta(after, before, 'dd_decode_steps_total{kind="sparse"}')
             lookups = _delta(after, before, f"dd_prefetch_lookups_total{lab}")
             per_layer = {}
             for layer in range(64):
@@ -155,7 +158,11 @@ def hit_rates(
                     "k": k,
                     "k_fraction": f"1/{frac}",
                     "regime": regime,
+                    "selector": sel,
                     "speculator": spec,
+                    "selection_seconds_per_step": _ratio(
+                        _delta(after, before, 'dd_step_phase_seconds_total{phase="select_ahead"}'), steps
+                    ),
                     "output_tokens": len(out["output_ids"]),
                     "hit_rate": _ratio(_delta(after, before, f"dd_prefetch_hits_total{lab}"), lookups),
                     "mass_coverage": _ratio(
@@ -171,8 +178,9 @@ def hit_rates(
                 }
             )
             r = runs[-1]
-            tqdm.write(f"{n} 1/{frac} {regime:15s} {spec:10s} hit {r['hit_rate']} mass {r['mass_coverage']} "
-                       f"accept {r['acceptance']}")  # fmt: skip
+            tqdm.write(f"{n} 1/{frac} {regime:15s} {sel:15s} {spec:10s} hit {r['hit_rate']} "
+                       f"mass {r['mass_coverage']} accept {r['acceptance']} "
+                       f"select {r['selection_seconds_per_step']} s/step")  # fmt: skip
     finally:
         rc, alive = srv.stop()
     return runs, {"exit_code": rc, "processes_left": alive}
@@ -196,6 +204,7 @@ CONFIGS = {
     "spec_host+dual_token": {"dd_selector": "spec_host", "dd_speculator": "dual_token"},
     "spec_host+ngram": {"dd_selector": "spec_host", "dd_speculator": "ngram"},
     "spec_host+none": {"dd_selector": "spec_host", "dd_speculator": "none"},
+    "spec_host_exact+dual_token": {"dd_selector": "spec_host_exact", "dd_speculator": "dual_token"},
     "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},
 }
 
@@ -261,12 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="4000,7900")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip", choices=["hit_rate", "quality"], default=None, help="skip one part")
-    ap.add_argument(
-        "--blend",
-        choices=["on", "off"],
-        default=None,
-        help="part 1: override prefetch.blend (default: the preset's)",
-    )
+    ap.add_argument("--selectors", default="spec_host,spec_host_exact",
+                    help="part 1: lookahead selectors measured side by side")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -278,20 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="dd_prefetch_"))
     result = {
-        "benchmark": "prefetch hit rate per speculator (spec_host selector), quality and decode speed; CPU, SmolLM2-135M",
+        "benchmark": "prefetch hit rate per selector and speculator, quality and decode speed; CPU, SmolLM2-135M",
         "command": "python -m bench.prefetch " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "text": "virtualenv *.dist-info/METADATA long descriptions, sorted, concatenated",
         "new_tokens": args.new_tokens,
     }
     if args.skip != "hit_rate":
-        blend = None if args.blend is None else args.blend == "on"
-        preset_blend = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())["prefetch"][
-            "blend"
-        ]
-        result["prefetch_blend"] = preset_blend if blend is None else blend
         result["hit_rate_runs"], result["hit_rate_shutdown"] = hit_rates(
-            ids_all, contexts, args.new_tokens, tmp, blend
+            ids_all, contexts, args.new_tokens, tmp, args.selectors.split(",")
         )
     if args.skip != "quality":
         result["quality_and_speed"] = quality_and_speed(tok, ids_all, contexts, args.new_tokens, tmp)

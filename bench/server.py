@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -41,6 +42,8 @@ class ServerProcess:
     max_total_tokens: int
     api_key: str | None = None
     start_seconds: float = 0.0
+    #: The model and KV dtype SGLang resolved (``/server_info``), e.g. ``"float32"``.
+    dtype: str = "bfloat16"
     peak_rss_bytes: int = 0
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
 
@@ -52,6 +55,11 @@ class ServerProcess:
     def post(self, path: str, payload, timeout: float = 600.0) -> httpx.Response:
         """POST ``payload`` (JSON) to the SGLang API at ``path``, with the API key if any."""
         return httpx.post(f"{self.url}{path}", json=payload, headers=self.headers, timeout=timeout)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one KV element (the KV cache follows the model dtype here)."""
+        return {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2}[self.dtype]
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -188,4 +196,10 @@ def start_server(
             raise RuntimeError(f"server not healthy after {timeout} s:\n{srv.log_tail()}")
         time.sleep(0.5)
     srv.start_seconds = time.monotonic() - t0
+    info = httpx.get(f"{srv.url}/server_info", headers=srv.headers, timeout=30).json()
+    dtype = info.get("dtype", "auto")
+    if dtype == "auto":  # the checkpoint's dtype
+        cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    srv.dtype = str(dtype).replace("torch.", "")
     return srv

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 #: Folder of the shipped presets (repository root / configs).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -94,9 +94,11 @@ class SparseSection(_Strict):
     norm summed over layers and KV heads). Each decode step then attends, per
     layer and KV head, to the resident set plus ``top_k`` host-tier tokens chosen
     by ``selector``: ``oracle`` (exact top-k of the current query over every host
-    key, chosen at attention time: a reference), ``spec_host`` (exact scores of
-    the speculated token's query in the host tier, fixed one step ahead; see
-    ``prefetch``), ``quest_device`` (Quest's page min/max key summaries kept on
+    key, chosen at attention time: a reference), ``spec_host`` (the speculated
+    token's query ranks the host tier's 16-token key blocks by their min/max
+    summaries, then the best blocks are re-ranked exactly; fixed one step
+    ahead, see ``prefetch``), ``spec_host_exact`` (the same query scored
+    against every host key: the reference for ``spec_host``), ``quest_device`` (Quest's page min/max key summaries kept on
     the device, current query) or ``recency`` (the previous step's exact top-k,
     fixed one step ahead). A request may
     override ``top_k`` and ``selector`` through ``custom_params``
@@ -111,7 +113,14 @@ class SparseSection(_Strict):
     keep_signal: Literal["key_norm"] = "key_norm"
     page_size: int = Field(64, ge=1, le=65_536)
     host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
-    selector: Literal["oracle", "spec_host", "quest_device", "recency"] = "spec_host"
+    selector: Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency"] = "spec_host"
+
+    @field_validator("page_size")
+    @classmethod
+    def _page_holds_whole_blocks(cls, v: int) -> int:
+        if v % 16:
+            raise ValueError("must be a multiple of 16 (the host-tier key index summarises 16-token blocks)")
+        return v
 
 
 class PrefetchSection(_Strict):
@@ -127,10 +136,11 @@ class PrefetchSection(_Strict):
     what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
     layer and KV head synchronously when the speculated token was rejected.
     ``hit_rate_sample`` is the fraction of steps whose hit rate is measured
-    against the exact top-k. ``blend``: when the speculated token is not
-    confident (``dual_token`` after a rejected speculation, ``ngram``), rank
-    candidates by the max of the speculated and the current query's scores
-    (off: it measured lower hit rates, see ``PrefetchParams``). A
+    against the exact top-k. ``rerank``: ``spec_host`` reads the best blocks of
+    its host-tier key index covering ``rerank x top_k`` tokens and re-ranks
+    them exactly. ``transfer``: ``worker`` copies on a worker thread while
+    earlier layers compute, ``inline`` on the forward thread when the layer
+    needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU. A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
@@ -140,7 +150,8 @@ class PrefetchSection(_Strict):
     miss_policy: Literal["use_prefetched", "repair"] = "use_prefetched"
     repair_budget: int = Field(32, ge=1, le=1_000_000)
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
-    blend: bool = False
+    rerank: float = Field(4.0, ge=1.0, le=1024.0)
+    transfer: Literal["auto", "worker", "inline"] = "auto"
 
 
 class DDConfig(_Strict):

@@ -161,6 +161,22 @@ def build_sglang_argv(
     return out
 
 
+def with_cpu_dtype(argv: list[str], cpu: bool) -> list[str]:
+    """``argv`` plus ``--dtype`` chosen by the CPU platform when ``cpu`` and the user gave none.
+
+    The choice (:func:`dd_sglang.platform.cpu.default_dtype`: bf16 with native bf16 matrix
+    instructions, else float32, measured faster there) is logged once.
+    """
+    if not cpu or has_flag(argv, "--dtype"):
+        return list(argv)
+    from dd_sglang.platform.cpu import NATIVE_BF16_FLAGS, default_dtype, native_bf16
+
+    dtype = default_dtype()
+    logger.info("dd_sglang: this CPU %s native bf16 (%s): --dtype %s (give --dtype to override)",
+                "has" if native_bf16() else "lacks", "/".join(sorted(NATIVE_BF16_FLAGS)), dtype)  # fmt: skip
+    return [*argv, "--dtype", dtype]
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as ``host`` resolves). Raises ``OSError``."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -271,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(str(err))
     from dd_sglang.platform import activate
 
-    full_argv = build_sglang_argv(
-        cfg, sglang_argv, model_path, cpu=activate() is not None, served_name=served_name
-    )
+    cpu = activate() is not None
+    sglang_argv = with_cpu_dtype(sglang_argv, cpu)
+    full_argv = build_sglang_argv(cfg, sglang_argv, model_path, cpu=cpu, served_name=served_name)
 
     host = flag_value(full_argv, "--host") or cfg.server.host
     raw_port = flag_value(full_argv, "--port") or cfg.server.port

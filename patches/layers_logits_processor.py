@@ -4,9 +4,10 @@
   speculated positions to a decode batch (a second query position per sparse
   request, :mod:`dd_sglang.prefetch.speculators`), record each one's argmax for
   the ``dual_token`` speculator and cut their rows, so SGLang samples exactly
-  ``batch_size`` rows as usual
-  (:func:`dd_sglang.attention.backend.cut_speculated_logits`). Otherwise the
-  output passes through untouched.
+  ``batch_size`` rows as usual, and report the step's time
+  (:func:`dd_sglang.attention.backend.finish_step`; the step's plan is read from
+  the forward batch, the ``logits_metadata`` argument). Otherwise the output
+  passes through untouched.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ _MODULE = "sglang.srt.layers.logits_processor"
 
 
 def LogitsProcessor_forward(result, self, *args, **kwargs):
-    from dd_sglang.attention.backend import cut_speculated_logits
+    from dd_sglang.attention.backend import finish_step
 
-    cut_speculated_logits(result)
+    fb = args[3] if len(args) > 3 else kwargs.get("logits_metadata")
+    finish_step(result, fb)
     return result
 
 

@@ -30,14 +30,28 @@ from bench.server import ROOT, delta, flush_when_idle, scrape, start_server, tra
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
-BYTES_PER_TOKEN = 23_040  # SmolLM2 bf16: 30 layers x 2 x 3 KV heads x 64 x 2 B
 PROMPT_TARGET = 4200  # passkey_prompt size target: ~4,000 tokens
 CAP = 8400  # device KV pool: two ~4k dense requests fit, three do not
 RESIDENT_BOUND = 4 + 0 + 128 + 64  # n_sink + n_keep + n_recent + page_size (default preset)
 DEPTH = 2  # prefetch.depth (default preset)
-KV_ROW_BYTES = 3 * 64 * 2 * 2  # one token of one layer: 3 KV heads x head_dim 64 x (K, V) x bf16
-SELECTORS = ["spec_host", "recency", "quest_device", "oracle"]
+
+
+def kv_row_bytes(srv) -> int:
+    """One token of one layer: 3 KV heads x head_dim 64 x (K, V) x the server's element size."""
+    return 3 * 64 * 2 * srv.kv_itemsize
+
+
+def bytes_per_token(srv) -> int:
+    """SmolLM2's KV bytes per token: 30 layers x one token's row."""
+    return N_LAYERS * kv_row_bytes(srv)
 SPECULATORS = ["dual_token", "ngram", "none"]
+#: Selector x speculator pairs worth a request: the speculator matters only to the selectors that read a
+#: speculated query (spec_host, spec_host_exact); the others get the preset's, which they ignore.
+PAIRS = [("spec_host", s) for s in SPECULATORS] + [
+    ("spec_host_exact", "dual_token"), ("recency", "dual_token"), ("quest_device", "dual_token"),
+    ("oracle", "dual_token"),
+]  # fmt: skip
+USES_SPECULATOR = ("spec_host", "spec_host_exact")
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +169,7 @@ def combo_dense(server, combo_prompt):
     return r.json()["output_ids"]
 
 
-@pytest.mark.parametrize("speculator", SPECULATORS)
-@pytest.mark.parametrize("selector", SELECTORS)
+@pytest.mark.parametrize("selector,speculator", PAIRS)
 def test_every_combination_at_full_top_k_is_token_identical(
     dd_server, combo_prompt, combo_dense, selector, speculator
 ):
@@ -181,8 +194,7 @@ def test_every_combination_at_full_top_k_is_token_identical(
     assert rows == 11 * N_LAYERS
 
 
-@pytest.mark.parametrize("speculator", SPECULATORS)
-@pytest.mark.parametrize("selector", SELECTORS)
+@pytest.mark.parametrize("selector,speculator", PAIRS)
 def test_every_combination_at_top_256_finds_the_passkey(dd_server, combo_prompt, selector, speculator):
     """At the default top_k (256 of ~4,000 tokens) every pair but quest_device finds the passkey, and the metrics say
     what ran: lookahead selectors were cold on the first sparse step only (one per layer) and measured
@@ -203,32 +215,34 @@ def test_every_combination_at_top_256_finds_the_passkey(dd_server, combo_prompt,
     assert r.json()["usage"]["completion_tokens"] == 8
     after = metrics(dd_server)
     steps = 7  # decode steps after the prefill's token
-    spec = speculator if selector == "spec_host" else "none"
+    spec = speculator if selector in USES_SPECULATOR else "none"
     lab = f'{{selector="{selector}",speculator="{spec}"}}'
     lookups = delta(after, before, f"dd_prefetch_lookups_total{lab}")
     hits = delta(after, before, f"dd_prefetch_hits_total{lab}")
     cold = delta(after, before, f'dd_prefetch_cold_total{{selector="{selector}"}}')
-    if selector in ("spec_host", "recency"):
+    if selector in ("spec_host", "spec_host_exact", "recency"):
         assert cold == N_LAYERS
         assert lookups == (steps - 1) * N_LAYERS * 3 * 256
         assert 0 < hits <= lookups
         mass = delta(after, before, f"dd_prefetch_mass_prefetched_total{lab}")
         assert 0 < mass <= delta(after, before, f"dd_prefetch_mass_top_k_total{lab}") + 1e-6
-        # Layer copies ran on the copy worker, partly while earlier layers computed.
+        # Every layer of every step after the cold one copied its set into the layer ring (inline on a
+        # CPU device: prefetch.transfer auto), 256 tokens x 3 KV heads x 64, K and V.
         assert delta(after, before, "dd_transfer_copy_seconds_count") >= (steps - 1) * N_LAYERS
-        assert delta(after, before, "dd_transfer_hidden_seconds_total") > 0
+        copied = delta(after, before, "dd_transfer_bytes_total")
+        assert copied >= (steps - 1) * N_LAYERS * 256 * kv_row_bytes(dd_server)
     else:
         assert cold == 0 and lookups == 0
     proposed = delta(after, before, f'dd_spec_proposed_total{{speculator="{speculator}"}}')
     accepted = delta(after, before, f'dd_spec_accepted_total{{speculator="{speculator}"}}')
-    if spec == "none":  # only spec_host reads a speculated position; the others carry none
+    if spec == "none":  # only spec_host(_exact) reads a speculated position; the others carry none
         assert proposed == 0
     else:
         assert 0 <= accepted <= proposed <= steps
     if spec == "dual_token":
         assert proposed >= steps - 1  # after the first step a token rides along every step
     stats = httpx.get(f"{dd_server.metrics_url}/stats", timeout=10).json()
-    if selector in ("spec_host", "recency"):
+    if selector in ("spec_host", "spec_host_exact", "recency"):
         assert 0 < stats["prefetch_hit_rate_by_speculator"][f"{selector}/{spec}"] <= 1
 
 
@@ -281,25 +295,24 @@ def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 40, at: in
 
 
 def test_device_bytes_of_selection_state(dd_server, tokenizer):
-    """quest_device holds exactly its page summaries on the device; spec_host holds none, and its
-    layer ring stays within (w+1) x batch x k x kv_heads x head_dim x 2 x dtype bytes."""
+    """quest_device keeps its key-block index on the device (1/16 of the host tier's bytes); spec_host keeps
+    its index in host memory and no device selection state; the layer ring stays within
+    2 x (w+1) x batch x kv_heads x columns x head_dim x dtype bytes (columns: resident + critical + 1)."""
     prompt, n = passkey_prompt(tokenizer, PROMPT_TARGET, 0.3, 27182, header="Aux bytes. ")
     text, quest = stream_and_sample(dd_server, prompt, {"dd_selector": "quest_device"})
     assert len(text) > 0  # quest_device may miss the passkey at this budget (see the test above)
-    # Candidates: the prompt's host-tier tokens outside the 4 sinks and the 128-token window; the window
-    # slides one token per decode step over the (host-resident) prompt, so after j steps there are
-    # n - 132 + j. Summaries: min and max keys of each 16-candidate page, every layer, bf16.
-    per_page = N_LAYERS * 2 * 3 * 64 * 2
-    aux = quest['dd_selector_aux_bytes{selector="quest_device"}']
-    assert aux % per_page == 0
-    assert -(-(n - 132 + 19) // 16) <= aux // per_page <= -(-(n - 132 + 40) // 16)
-    assert quest["dd_layer_ring_buffer_bytes"] == 0  # quest_device gathers synchronously
+    capacity = quest["dd_host_tier_capacity_bytes"]
+    assert quest['dd_selector_aux_bytes{selector="quest_device"}'] == capacity // 16
+    columns = RESIDENT_BOUND + 256 + 1
+    bound = (DEPTH + 1) * 1 * columns * kv_row_bytes(dd_server)
+    assert 0 < quest["dd_layer_ring_buffer_bytes"] <= bound
     text, spec = stream_and_sample(dd_server, prompt, {"dd_selector": "spec_host"})
     assert "27182" in text
     assert spec['dd_selector_aux_bytes{selector="spec_host"}'] == 0
-    bound = (DEPTH + 1) * 1 * 256 * KV_ROW_BYTES
+    assert spec["dd_host_index_bytes"] == capacity // 16  # min and max of K per 16 slots, in host memory
     assert 0 < spec["dd_layer_ring_buffer_bytes"] <= bound
-    assert spec["dd_critical_set_buffer_bytes"] >= spec["dd_layer_ring_buffer_bytes"]
+    # The critical-set columns: 256 of the ring's columns, K and V, every slot.
+    assert spec["dd_critical_set_buffer_bytes"] == (DEPTH + 1) * 1 * 256 * kv_row_bytes(dd_server)
 
 
 @pytest.mark.parametrize(
@@ -309,7 +322,8 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
         ({"dd_top_k": "many"}, "custom_params.dd_top_k must be an integer"),
         (
             {"dd_selector": "psychic"},
-            "custom_params.dd_selector must be one of ['oracle', 'spec_host', 'quest_device', 'recency']",
+            "custom_params.dd_selector must be one of "
+            "['spec_host', 'spec_host_exact', 'oracle', 'quest_device', 'recency']",
         ),
         (
             {"dd_speculator": "oracle"},
@@ -438,7 +452,7 @@ def test_capacity_8_concurrent_4k_requests(dd_server, tokenizer):
     for s in samples:
         n_sparse = s['dd_dualpath_requests{state="DECODE_SPARSE"}']
         assert s["dd_sparse_request_device_tokens_max"] <= RESIDENT_BOUND
-        assert s["dd_sparse_resident_bytes"] <= n_sparse * RESIDENT_BOUND * BYTES_PER_TOKEN
+        assert s["dd_sparse_resident_bytes"] <= n_sparse * RESIDENT_BOUND * bytes_per_token(dd_server)
     # Samples where every admitted request is sparse: request-held device bytes are exactly the resident sets.
     pure = [
         s

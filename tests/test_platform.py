@@ -46,3 +46,34 @@ def test_sglang_resolves_our_platform_here():
         assert not _resolve_platform().is_out_of_tree()
     else:
         assert type(_resolve_platform()).__name__ == "TorchCpuPlatform"
+
+
+def test_default_dtype_follows_native_bf16_instructions(tmp_path):
+    from dd_sglang.platform.cpu import cpu_flags, default_dtype, native_bf16
+
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert default_dtype(avx2) == "float32" and not native_bf16(avx2)
+    assert default_dtype(avx2 | {"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert default_dtype(avx2 | {"amx_tile", "amx_bf16"}) == "bfloat16"
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(info)) == frozenset({"fpu", "avx2", "avx512_bf16"})
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_launcher_passes_the_cpu_dtype_unless_the_user_gave_one(monkeypatch, caplog):
+    """On the CPU platform the launcher adds --dtype from the platform's choice, logged; a user's wins."""
+    import logging
+
+    from dd_sglang.launch_server import with_cpu_dtype
+    from dd_sglang.platform import cpu as cpu_mod
+
+    monkeypatch.setattr(cpu_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
+    with caplog.at_level(logging.INFO, logger="dd_sglang.launch_server"):
+        assert with_cpu_dtype(["--port", "1"], cpu=True) == ["--port", "1", "--dtype", "float32"]
+    assert "lacks native bf16" in caplog.text and "--dtype float32" in caplog.text
+    assert with_cpu_dtype(["--dtype", "bfloat16"], cpu=True) == ["--dtype", "bfloat16"]
+    assert with_cpu_dtype(["--dtype=half"], cpu=True) == ["--dtype=half"]
+    assert with_cpu_dtype([], cpu=False) == []  # CUDA: SGLang's own default
+    monkeypatch.setattr(cpu_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
+    assert with_cpu_dtype([], cpu=True) == ["--dtype", "bfloat16"]

@@ -1,146 +1,175 @@
-"""Selectors against scores computed by hand: oracle (GQA max aggregation), Quest's page summaries
-and page selection, device-state reporting, bad input."""
+"""The block index and the selectors against scores computed by hand (brute force over every key)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from dd_sglang.prefetch.selectors import (
-    SELECTORS,
-    OracleSelector,
-    QuestDeviceSelector,
-    gqa_token_scores,
-    make_selector,
-    quest_page_summaries,
-    quest_select,
-)
+from dd_sglang.prefetch.index import BLOCK_TOKENS, KeyBlockIndex, row_blocks
+from dd_sglang.prefetch.selectors import SELECTORS, gqa_token_scores, make_selector
 
-HQ, HKV, D = 9, 3, 64
+HQ, HKV, D, LAYERS = 9, 3, 16, 2
+SCALE = D**-0.5
 
 
-def _data(lens, seed=0):
+def _tier(lens, seed=0, pages=None):
+    """A host tier whose requests own shuffled whole 64-slot pages (as HostSparseKVPool allocates)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(len(lens), HQ, D, generator=g)
-    keys = [torch.randn(n, HKV, D, generator=g) for n in lens]
-    return q, keys
+    page = 64
+    need = [-(-n // page) for n in lens]
+    n_pages = pages or sum(need) + 2
+    host_k = torch.randn(LAYERS, n_pages * page, HKV, D, generator=g)
+    order = torch.randperm(n_pages, generator=g).tolist()
+    slots, start = [], 0
+    for n in need:
+        pg = order[start : start + n]
+        start += n
+        slots.append(torch.cat([torch.arange(p * page, (p + 1) * page) for p in pg]))
+    return host_k, slots
 
 
-def _host(keys, seed=0):
-    """Scatter the requests' keys into a shuffled host buffer; return (host_keys, locations)."""
-    total = sum(len(k) for k in keys)
-    perm = torch.randperm(total + 10, generator=torch.Generator().manual_seed(seed))[:total]
-    host = torch.zeros(total + 10, HKV, D)
-    locations, start = [], 0
-    for kt in keys:
-        loc = perm[start : start + len(kt)]
-        host[loc] = kt
-        locations.append(loc)
-        start += len(kt)
-    return host, locations
+def _exact_topk(q, keys, cand, k):
+    """Brute force: per KV head, the k candidates with the largest group-max softmax probability."""
+    s = gqa_token_scores(q, keys[cand], SCALE)  # softmax over the candidates only
+    return [set(cand[s[h].topk(k).indices].tolist()) for h in range(HKV)]
 
 
 def test_scores_are_max_over_group_softmax():
-    q, keys = _data([40])
-    s = gqa_token_scores(q[0], keys[0], 0.125)
+    g = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(HQ, D, generator=g), torch.randn(40, HKV, D, generator=g)
+    s = gqa_token_scores(q, keys, 0.125)
     for kv in range(HKV):
-        per_head = [torch.softmax(keys[0][:, kv] @ q[0, h] * 0.125, 0) for h in range(kv * 3, kv * 3 + 3)]
+        per_head = [torch.softmax(keys[:, kv] @ q[h] * 0.125, 0) for h in range(kv * 3, kv * 3 + 3)]
         torch.testing.assert_close(s[kv], torch.stack(per_head).amax(0))
 
 
-def test_oracle_returns_exact_topk_per_kv_head():
-    q, keys = _data([100, 7, 33], seed=1)
-    host, loc = _host(keys)
-    cs = OracleSelector().select(q, loc, 16, host, D**-0.5)
-    assert cs.positions.shape == (3, HKV, 16)
-    assert cs.lengths.tolist() == [[16] * HKV, [7] * HKV, [16] * HKV]
-    for r, kt in enumerate(keys):
-        for kv in range(HKV):
-            # Brute force: rank every token by the group's max probability.
-            probs = torch.stack(
-                [torch.softmax(kt[:, kv] @ q[r, h] * D**-0.5, 0) for h in range(kv * 3, kv * 3 + 3)]
-            )
-            best = probs.amax(0).argsort(descending=True)[: min(16, len(kt))]
-            assert cs.as_sets(r, kv) == set(best.tolist())
+def test_block_index_holds_min_and_max_of_each_block_including_a_partial_one():
+    host_k, slots = _tier([150])
+    idx = KeyBlockIndex(host_k)
+    idx.update(slots[0], 0, 100)
+    idx.update(slots[0], 100, 150)  # the block holding 96..111 is redone, 144..149 is partial
+    for b in range(-(-150 // BLOCK_TOKENS)):
+        pos = torch.arange(b * 16, min(150, b * 16 + 16))
+        keys = host_k[:, slots[0][pos]]
+        blk = int(slots[0][b * 16]) // 16
+        assert torch.equal(idx.mins[:, blk], keys.amin(dim=1))
+        assert torch.equal(idx.maxs[:, blk], keys.amax(dim=1))
+    assert idx.nbytes == 2 * host_k.nbytes // 16
 
 
-def test_k_at_least_context_selects_everything():
-    q, keys = _data([12])
-    host, loc = _host(keys)
-    cs = OracleSelector().select(q, loc, 64, host, 1.0)
-    assert all(cs.as_sets(0, kv) == set(range(12)) for kv in range(HKV))
+def test_block_index_refuses_slots_that_are_not_whole_blocks():
+    host_k, slots = _tier([64])
+    with pytest.raises(ValueError, match="16-aligned"):
+        KeyBlockIndex(host_k).update(slots[0] + 3, 0, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        KeyBlockIndex(host_k[:, :40])
 
 
-@pytest.mark.parametrize("name", ["oracle", "spec_host", "recency"])
-def test_host_side_selectors_keep_no_device_state(name):
-    assert make_selector(name).device_aux_bytes() == 0
+def _rows(lens, his, seed=0, keep=None):
+    host_k, slots = _tier(lens, seed)
+    keep = keep or [torch.arange(4) for _ in lens]
+    rows = row_blocks(slots, [4] * len(lens), his, keep)
+    return host_k, slots, rows, keep
 
 
-def test_lookahead_flags():
-    assert {n for n, c in SELECTORS.items() if c.lookahead} == {"spec_host", "recency"}
-    assert {n for n, c in SELECTORS.items() if c.uses_speculator} == {"spec_host"}
+def test_row_blocks_mark_candidates_and_count_holes():
+    keep = [torch.tensor([0, 1, 2, 3, 40, 41]), torch.arange(4)]
+    _, _, rows, _ = _rows([200, 90], [170, 70], keep=keep)
+    assert rows.cand.shape == (2, 176)
+    cand0 = torch.ones(176, dtype=torch.bool)
+    cand0[[0, 1, 2, 3, 40, 41]] = False
+    cand0[170:] = False
+    assert torch.equal(rows.cand[0], cand0)
+    assert rows.n_valid.tolist() == [11, 5]
+    # Row 0: 6 kept positions and the 6 past 170 inside its last block (12); row 1: 4 sinks and the
+    # 10 past 70 (14).
+    assert rows.holes == 14
 
 
-def test_quest_summaries_are_page_min_max():
-    keys = torch.randn(37, HKV, D, generator=torch.Generator().manual_seed(3))
-    mins, maxs = quest_page_summaries(keys, 16)
-    assert mins.shape == maxs.shape == (3, HKV, D)  # 16 + 16 + 5 tokens
-    for i, (a, b) in enumerate([(0, 16), (16, 32), (32, 37)]):
-        torch.testing.assert_close(mins[i], keys[a:b].amin(0))
-        torch.testing.assert_close(maxs[i], keys[a:b].amax(0))
+@pytest.mark.parametrize("name", ["oracle", "recency", "spec_host_exact"])
+def test_exact_selectors_return_the_brute_force_top_k(name):
+    lens, his, k = [300, 180], [260, 150], 20
+    host_k, slots, rows, _ = _rows(lens, his, seed=1)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(5))
+    pos, sl = make_selector(name).select(q, rows, host_k[1], k, SCALE)
+    assert pos.shape == sl.shape == (2, HKV, k)
+    for r in range(2):
+        cand = torch.arange(4, his[r])
+        want = _exact_topk(q[r], host_k[1][slots[r]], cand, k)
+        for h in range(HKV):
+            assert set(pos[r, h].tolist()) == want[h]
+            assert torch.equal(sl[r, h], slots[r][pos[r, h]])
 
 
-def test_quest_selects_pages_by_upper_bound_then_their_tokens():
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(HQ, D, generator=g)
-    keys = torch.randn(70, HKV, D, generator=g)
-    mins, maxs = quest_page_summaries(keys, 16)
-    got = quest_select(q, mins, maxs, 70, 20, 16)
-    assert got.shape == (HKV, 20)
-    for kv in range(HKV):
-        # Brute force: Quest's per-page bound, max over the KV head's 3 query heads.
-        bound = [
-            max(
-                float(torch.maximum(q[h] * mins[p, kv], q[h] * maxs[p, kv]).sum())
-                for h in range(kv * 3, kv * 3 + 3)
-            )
-            for p in range(mins.shape[0])
-        ]
-        pages = sorted(range(len(bound)), key=lambda p: -bound[p])
-        expect = [t for p in pages for t in range(p * 16, min(p * 16 + 16, 70))][:20]
-        assert got[kv].tolist() == expect
+def test_spec_host_index_covering_every_block_is_exact_and_reads_fewer_blocks_otherwise():
+    lens, his, k = [1200], [1100], 16
+    host_k, slots, rows, _ = _rows(lens, his, seed=2)
+    idx = KeyBlockIndex(host_k)
+    idx.update(slots[0], 0, 1200)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3))
+    exact = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
+    wide = make_selector("spec_host", rerank=100).select(q, rows, host_k[0], k, SCALE, idx, 0)[0]
+    assert torch.equal(wide.sort(dim=-1).values, exact.sort(dim=-1).values)
+    sel = SELECTORS["spec_host"](rerank=2)
+    chosen_pos, _, score = sel.score(q, rows, host_k[0], k, SCALE, idx, 0)
+    # ceil((2 x 16 + holes) / 16) blocks per KV head are read, not all 69.
+    assert chosen_pos.shape[2] == 16 * -(-(2 * k + rows.holes) // 16) < 1100
+    pos, _ = sel.select(q, rows, host_k[0], k, SCALE, idx, 0)
+    assert ((pos >= 4) & (pos < 1100)).all()
+    assert all(len(set(pos[0, h].tolist())) == k for h in range(HKV))
 
 
-def test_quest_selector_interface_and_aux_bytes():
-    q, keys = _data([100, 9], seed=5)
-    host, loc = _host(keys)
-    sel = QuestDeviceSelector()
-    cs = sel.select(q, loc, 32, host, D**-0.5)
-    assert cs.lengths.tolist() == [[32] * HKV, [9] * HKV]
-    mins, maxs = quest_page_summaries(keys[0], 16)
-    assert cs.positions[0].tolist() == quest_select(q[0], mins, maxs, 100, 32, 16).tolist()
-    assert sel.device_aux_bytes() == 0  # the backend keeps the summaries and reports them per request
+def test_spec_host_finds_tokens_in_the_blocks_whose_bound_stands_out():
+    """Keys aligned with the query in three blocks: the index points at those blocks, re-ranking finds them."""
+    lens, his, k = [2000], [1900], 12
+    host_k, slots, rows, _ = _rows(lens, his, seed=4)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(6))
+    hot = torch.tensor([130, 131, 132, 133, 700, 701, 702, 703, 1500, 1501, 1502, 1503])
+    host_k *= 0.2  # background keys small: the bounds of blocks without a hot key stay low
+    for h in range(HKV):
+        host_k[0, slots[0][hot], h] = 3 * q[0, h * 3] / q[0, h * 3].norm()
+    idx = KeyBlockIndex(host_k)
+    idx.update(slots[0], 0, 2000)
+    # rerank 4: ceil((48 + 8 holes) / 16) = 4 of 119 blocks are read; the 3 hot ones among them.
+    pos, _ = make_selector("spec_host", rerank=4).select(q, rows, host_k[0], k, SCALE, idx, 0)
+    exact = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
+    for h in range(HKV):
+        assert set(exact[0, h].tolist()) == set(hot.tolist())
+        assert set(pos[0, h].tolist()) == set(exact[0, h].tolist())
 
 
-@pytest.mark.parametrize(
-    "call,needle",
-    [
-        (lambda s, q, h, loc: s.select(q, loc, 0, h, 1.0), "k must be >= 1"),
-        (lambda s, q, h, loc: s.select(q, loc[:1], 4, h, 1.0), "one locations tensor per request"),
-        (
-            lambda s, q, h, loc: s.select(q, [loc[0], torch.zeros(0, dtype=torch.int64)], 4, h, 1.0),
-            r"locations\[1\]",
-        ),
-        (lambda s, q, h, loc: s.select(q, loc, 4, h[:, :, :8], 1.0), "host_keys must be"),
-    ],
-)
-def test_bad_input(call, needle):
-    q, keys = _data([5, 6])
-    host, loc = _host(keys)
-    with pytest.raises(ValueError, match=needle):
-        call(OracleSelector(), q, host, loc)
+def test_quest_takes_the_candidates_of_the_blocks_with_the_best_bound():
+    lens, his, k = [500], [480], 40
+    host_k, slots, rows, _ = _rows(lens, his, seed=7)
+    idx = KeyBlockIndex(host_k)
+    idx.update(slots[0], 0, 500)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(8))
+    pos, _ = make_selector("quest_device").select(q, rows, host_k[0], k, SCALE, idx, 0)
+    for h in range(HKV):
+        # Brute force bound of every block for this KV head: max over its query heads of
+        # sum_d max(q_d min_d, q_d max_d), each head's bounds less logsumexp(bounds + log 16).
+        bounds = []
+        for b in range(30):
+            kb = host_k[0, slots[0][b * 16 : b * 16 + 16], h]
+            lo, hi = kb.amin(0), kb.amax(0)
+            bounds.append([torch.maximum(q[0, j] * lo, q[0, j] * hi).sum() * SCALE for j in range(h * 3, h * 3 + 3)])
+        b = torch.tensor(bounds)  # [30 blocks, 3 heads]
+        score = (b - torch.logsumexp(b + math.log(16), dim=0)).amax(dim=1)
+        blocks = set((pos[0, h] // 16).tolist())
+        worst_taken = min(score[list(blocks)])
+        assert all(score[x] <= worst_taken for x in range(30) if x not in blocks)
+        assert ((pos[0, h] >= 4) & (pos[0, h] < 480)).all()
 
 
-def test_unknown_selector_name():
+def test_unknown_selector_and_bad_k_are_refused():
     with pytest.raises(ValueError, match="selector must be one of"):
         make_selector("nope")
+    with pytest.raises(ValueError, match="rerank"):
+        make_selector("spec_host", rerank=0.5)
+    host_k, _, rows, _ = _rows([100], [90])
+    with pytest.raises(ValueError, match="k must be"):
+        make_selector("oracle").select(torch.zeros(1, HQ, D), rows, host_k[0], 0, SCALE)
+    with pytest.raises(ValueError, match="needs a KeyBlockIndex"):
+        make_selector("spec_host").select(torch.zeros(1, HQ, D), rows, host_k[0], 4, SCALE)

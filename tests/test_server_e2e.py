@@ -17,9 +17,13 @@ from bench.prompts import passkey_prompt
 
 pytestmark = pytest.mark.server
 
-#: Bytes per device-tier KV slot for SmolLM2-135M in bf16, computed by hand:
-#: 30 layers x 2 (K and V) x 3 KV heads x 64 head_dim x 2 bytes.
-SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+
+
+def kv_bytes_per_token(server) -> int:
+    """Bytes per device-tier KV slot for SmolLM2-135M, computed by hand: 30 layers x 2 (K and V)
+    x 3 KV heads x 64 head_dim x the element size of the server's dtype (the launcher picks it
+    from the CPU: float32 without native bf16)."""
+    return 30 * 2 * 3 * 64 * server.kv_itemsize
 
 
 def _post(server, path, payload, timeout=300):
@@ -50,17 +54,18 @@ def test_passkey_2k_completions(server, tokenizer, n_tokens, depth, passkey):
     assert re.match(rf"\s*{passkey}\b", body["choices"][0]["text"]), body["choices"][0]["text"]
 
 
-#: One bf16 step at logit magnitude 16..32 is 0.125: a gap this small is a numerical tie.
+#: One bf16 step at logit magnitude 16..32 is 0.125: a gap this small is a numerical tie (float32 ties
+#: are far smaller; the same bound holds).
 BF16_LOGIT_TIE = 0.25
 
 
 def test_greedy_matches_transformers(server, tokenizer, model_path):
-    """SGLang's greedy tokens are transformers' greedy tokens on the same bf16 weights.
+    """SGLang's greedy tokens are transformers' greedy tokens on the same weights, in the server's dtype.
 
     HF generates greedily; SGLang generates greedily with logprobs. The first
     tokens must be identical. Then HF scores SGLang's whole sequence
     (teacher-forced): every SGLang token must be HF's argmax, or within a
-    bf16 tie of it (both engines compute in bf16 with different kernels, so an
+    tie of it (both engines compute in the same dtype with different kernels, so an
     exact tie can break either way), and the two engines' logprobs must agree.
     """
     import torch
@@ -71,7 +76,7 @@ def test_greedy_matches_transformers(server, tokenizer, model_path):
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     )
     n_new = 32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, server.dtype))
     r = _post(
         server,
         "/generate",
@@ -171,11 +176,11 @@ def test_metrics_dd_series_and_byte_accounting(server):
     ):
         assert name in m, f"{name} missing from /metrics"
     # SGLang's pool holds max_total_tokens slots plus one padding slot (page_size 1).
-    expected_capacity = (server.max_total_tokens + 1) * SMOLLM2_KV_BYTES_PER_TOKEN
+    expected_capacity = (server.max_total_tokens + 1) * kv_bytes_per_token(server)
     assert m["dd_device_kv_capacity_bytes"] == expected_capacity
     assert m['dd_hbm_used_bytes{source="cpu_device_pool"}'] == expected_capacity
     used = m["dd_device_kv_used_bytes"]
-    assert used > 0 and used % SMOLLM2_KV_BYTES_PER_TOKEN == 0
+    assert used > 0 and used % kv_bytes_per_token(server) == 0
     assert 0 <= m["dd_device_kv_evictable_bytes"] <= used
     assert m["dd_host_tier_used_bytes"] == 0
     stats = httpx.get(f"{server.metrics_url}/stats", timeout=10).json()

@@ -1,82 +1,74 @@
-"""The PyTorch reference sparse-decode kernel against dense attention computed independently."""
+"""The batched sparse-decode kernel against attention computed independently, row by row and head by head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from dd_sglang.kernels.sparse_decode import sparse_decode_attention
+from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention, unfold_gqa
 
-B, HQ, HKV, D, SLOTS = 3, 9, 3, 64, 5000  # SmolLM2's head layout
-
-
-def _pool(dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
-    v = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
-    q = torch.randn(B, HQ, D, generator=g).to(dtype)
-    return q, k, v
+HQ, HKV, D = 9, 3, 64  # SmolLM2's head layout
+G = HQ // HKV
 
 
-def _torch_native_decode(q, k_cache, v_cache, slots, scale):
-    """SGLang torch_native's per-request decode call (torch_native_backend.py, _run_sdpa_forward_decode)."""
-    query = q.unsqueeze(0).movedim(0, 1)  # [HQ, 1, D]
-    key = k_cache[slots].movedim(0, 1)
-    value = v_cache[slots].movedim(0, 1)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), enable_gqa=True, scale=scale
-    )
-    return out.squeeze(0).movedim(1, 0)[0]  # [HQ, D]
+def _reference(q, keys, values, cols, scale):
+    """Per (row, query position, query head): softmax over the listed columns of its KV head, in float64."""
+    r, s = q.shape[:2]
+    out = torch.zeros(r, s, HQ, D, dtype=torch.float64)
+    for i in range(r):
+        for j in range(s):
+            for h in range(HQ):
+                kv = h // G
+                c = cols[i][j]
+                k = keys[i, kv, c].double()
+                w = torch.softmax(k @ q[i, j, h].double() * scale, dim=0)
+                out[i, j, h] = w @ values[i, kv, c].double()
+    return out
 
 
-@pytest.mark.parametrize("n", [1, 129, 3048])
-def test_whole_context_in_position_order_is_bit_identical_to_torch_native(n):
-    """The exactness guarantee: the same K/V (here copied, as the host tier does) in position order."""
-    q, k, v = _pool(torch.bfloat16)
-    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(n))[:n]
-    host_k, host_v = k.clone(), v.clone()
-    keys = [host_k[slots].permute(1, 0, 2).contiguous() for _ in range(B)]
-    values = [host_v[slots].permute(1, 0, 2).contiguous() for _ in range(B)]
-    out = sparse_decode_attention(q, keys, values, D**-0.5)
-    assert out.dtype == torch.bfloat16
-    for b in range(B):
-        assert torch.equal(out[b], _torch_native_decode(q[b], k, v, slots, D**-0.5))
+def test_fold_and_unfold_gqa_are_inverse_and_group_query_heads_by_kv_head():
+    q = torch.arange(2 * 2 * HQ * 1, dtype=torch.float32).view(2, 2, HQ, 1)
+    f = fold_gqa(q, HKV)
+    assert f.shape == (2, HKV, 2 * G, 1)
+    # KV head 1 of row 0 reads query heads 3..5 of the real position, then of the speculated one.
+    assert f[0, 1, :, 0].tolist() == q[0, 0, 3:6, 0].tolist() + q[0, 1, 3:6, 0].tolist()
+    assert torch.equal(unfold_gqa(f, 2), q)
 
 
-def test_per_head_subsets_match_a_hand_loop():
-    q, k, v = _pool(seed=1)
-    g = torch.Generator().manual_seed(2)
-    lens = [16, 40, 7]
-    idx = [torch.stack([torch.randperm(SLOTS, generator=g)[:n] for _ in range(HKV)]) for n in lens]
-    heads = torch.arange(HKV).unsqueeze(1)
-    keys = [k[i, heads] for i in idx]  # [HKV, n, D]
-    values = [v[i, heads] for i in idx]
-    out = sparse_decode_attention(q, keys, values, 0.125)
-    for b in range(B):
-        for h in range(HQ):
-            kv = h // (HQ // HKV)
-            s = idx[b][kv]
-            p = torch.softmax((k[s, kv] @ q[b, h]) * 0.125, dim=0)
-            torch.testing.assert_close(out[b, h], p @ v[s, kv], rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_rows_equal_a_per_head_softmax_over_their_columns(dtype):
+    g = torch.Generator().manual_seed(0)
+    r, n = 3, 50
+    q = torch.randn(r, 2, HQ, D, generator=g)
+    keys = torch.randn(r, HKV, n, D, generator=g)
+    values = torch.randn(r, HKV, n, D, generator=g)
+    mask = torch.zeros(r, 2, n, dtype=torch.bool)
+    lens = [50, 17, 33]
+    cols = []
+    for i, m in enumerate(lens):
+        mask[i, :, : m - 1] = True  # the real query: the first m-1 columns
+        mask[i, 1, n - 1] = True  # the speculated query also reads the last column (its own K/V)
+        cols.append([list(range(m - 1)), list(range(m - 1)) + [n - 1]])
+    keys[1, :, 40:49] = 1e4  # masked padding (finite, as the zero-filled ring guarantees) is never read
+    values[1, :, 40:49] = 1e4
+    m4 = mask.repeat_interleave(G, dim=1).unsqueeze(1)
+    out = sparse_decode_attention(fold_gqa(q.to(dtype), HKV), keys.to(dtype), values.to(dtype), m4, D**-0.5)
+    out = unfold_gqa(out, 2)
+    assert out.dtype == dtype and not out.isnan().any()
+    ref = _reference(q.to(dtype).float(), keys.to(dtype).float(), values.to(dtype).float(), cols, D**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize(
-    "mutate,needle",
-    [
-        (lambda a: {**a, "q": torch.zeros(B, HQ)}, r"must be \[batch"),
-        (lambda a: {**a, "keys": a["keys"][:1]}, "need 3 key and value tensors"),
-        (lambda a: {**a, "keys": [torch.zeros(HKV, 0, D)] * B}, "n >= 1"),
-        (lambda a: {**a, "values": [torch.zeros(HKV, 5, D)] * B}, "does not match"),
-        (lambda a: {**a, "q": torch.zeros(B, 8, D)}, "multiple of num_kv_heads"),
-    ],
-)
-def test_bad_input_is_rejected_with_the_field_named(mutate, needle):
-    args = {
-        "q": torch.zeros(B, HQ, D),
-        "keys": [torch.zeros(HKV, 4, D)] * B,
-        "values": [torch.zeros(HKV, 4, D)] * B,
-        "scale": 0.125,
-    }
-    with pytest.raises(ValueError, match=needle):
-        sparse_decode_attention(**mutate(args))
+def test_bad_shapes_are_refused_with_the_shapes_named():
+    q = torch.zeros(2, HKV, 6, D)
+    k = torch.zeros(2, HKV, 10, D)
+    with pytest.raises(ValueError, match="4-D"):
+        sparse_decode_attention(q[0], k, k, None, 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        sparse_decode_attention(q, k[:1], k[:1], None, 1.0)
+    with pytest.raises(ValueError, match="mask must be"):
+        sparse_decode_attention(q, k, k, torch.ones(2, 1, 6, 9, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        fold_gqa(torch.zeros(1, 2, 8, D), 3)
+    assert sparse_decode_attention(q[:0], k[:0], k[:0], None, 1.0).shape == (0, HKV, 6, D)

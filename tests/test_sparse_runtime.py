@@ -269,7 +269,8 @@ def test_request_overrides_are_validated_with_the_field_named():
     }
     for bad, needle in [({"dd_top_k": 0}, "dd_top_k must be an integer in [1, 1000000], got 0"),
                         ({"dd_top_k": True}, "dd_top_k"), ({"dd_top_k": 2.5}, "dd_top_k"),
-                        ({"dd_selector": "x"}, "dd_selector must be one of ['oracle', 'recency']")]:  # fmt: skip
+                        ({"dd_selector": "x"}, "dd_selector must be one of ['oracle', 'recency']"),
+                        ({"dd_sparse": "no"}, "dd_sparse must be true or false")]:  # fmt: skip
         with pytest.raises(ValueError) as e:
             request_overrides(bad, sel)
         assert needle in str(e.value)
@@ -281,6 +282,19 @@ def test_overrides_reach_the_request_state():
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     st = rt.requests["r1"]
     assert st.top_k == 17 and st.selector == "oracle"
+
+
+def test_dd_sparse_false_keeps_a_long_request_dense_with_its_kv_untouched():
+    rt, pool, alloc, r2t, req, tree, ok, _ = setup()
+    row = r2t[2, :100].clone()
+    req.sampling_params = SimpleNamespace(custom_params={"dd_sparse": False})
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    assert st.path.state is PathState.DENSE and st.path.history == [PathState.DENSE]
+    assert rt.host.used_bytes == 0 and torch.equal(r2t[2, :100], row) and rt.sparse_request(2) is None
+    for _ in range(3):  # it never leaves the dense path as it grows
+        rt.after_decode(SimpleNamespace(reqs=[req]), tree)
+    assert st.path.state is PathState.DENSE
 
 
 def test_a_request_finished_in_prefill_still_records_its_path():

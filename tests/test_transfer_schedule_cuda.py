@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dd_sglang.kernels.sparse_decode import sparse_decode_attention
+from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
+from dd_sglang.prefetch.index import KeyBlockIndex, row_blocks
 from dd_sglang.prefetch.schedule import TransferSchedule
-from dd_sglang.prefetch.selectors import quest_page_summaries, quest_select
+from dd_sglang.prefetch.selectors import make_selector
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 
@@ -62,19 +63,25 @@ def test_cuda_copies_land_and_overlap_compute():
 
 def test_sparse_decode_on_cuda_matches_cpu():
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(3, HQ, D, generator=g, dtype=torch.float32).to(torch.bfloat16)
-    keys = [torch.randn(HKV, n, D, generator=g).to(torch.bfloat16) for n in (17, 300, 4096)]
-    values = [torch.randn(HKV, n, D, generator=g).to(torch.bfloat16) for n in (17, 300, 4096)]
-    cpu = sparse_decode_attention(q, keys, values, D**-0.5)
-    gpu = sparse_decode_attention(q.cuda(), [k.cuda() for k in keys], [v.cuda() for v in values], D**-0.5)
+    r, n = 3, 4096
+    q = fold_gqa(torch.randn(r, 2, HQ, D, generator=g).to(torch.bfloat16), HKV)
+    keys = torch.randn(r, HKV, n, D, generator=g).to(torch.bfloat16)
+    values = torch.randn(r, HKV, n, D, generator=g).to(torch.bfloat16)
+    mask = torch.rand(r, 1, q.shape[2], n, generator=g) < 0.5
+    cpu = sparse_decode_attention(q, keys, values, mask, D**-0.5)
+    gpu = sparse_decode_attention(q.cuda(), keys.cuda(), values.cuda(), mask.cuda(), D**-0.5)
     torch.testing.assert_close(gpu.cpu().float(), cpu.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_quest_select_on_cuda_matches_cpu():
+def test_quest_device_index_on_cuda_selects_what_the_cpu_index_selects():
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(HQ, D, generator=g)
-    keys = torch.randn(5000, HKV, D, generator=g)
-    mins, maxs = quest_page_summaries(keys, 16)
-    cpu = quest_select(q, mins, maxs, 5000, 256, 16)
-    gpu = quest_select(q.cuda(), mins.cuda(), maxs.cuda(), 5000, 256, 16)
-    assert torch.equal(gpu.cpu(), cpu)
+    host_k = torch.randn(2, 5120, HKV, D, generator=g)
+    slots = torch.arange(5120)
+    rows = row_blocks([slots], [4], [5000], [torch.arange(4)])
+    q = torch.randn(1, HQ, D, generator=g)
+    picked = []
+    for device in ("cpu", "cuda"):
+        idx = KeyBlockIndex(host_k, device)
+        idx.update(slots, 0, 5120)
+        picked.append(make_selector("quest_device").select(q, rows, host_k[1], 256, D**-0.5, idx, 1)[0])
+    assert torch.equal(picked[0].sort(dim=-1).values, picked[1].sort(dim=-1).values)

@@ -1,22 +1,29 @@
-"""Sparse decode attention: one query token per request over a per-KV-head token subset.
+"""Sparse decode attention: every sparse row of a step in one call, over per-KV-head token subsets.
 
-This is the PyTorch reference used everywhere (the FlashInfer kernel for CUDA
-will sit behind :func:`sparse_decode_attention`). For request ``b`` and query
-head ``h`` in KV-head group ``g = h // (Hq // Hkv)`` (GQA):
+Layout (what :class:`dd_sglang.prefetch.plan.StepPlan` and the layer ring produce):
 
-    out[b, h] = softmax(scale * q[b, h] . K_b[g, :]) @ V_b[g, :]
+* ``q``: ``shape: [rows, num_kv_heads, L, head_dim]``. GQA is folded into the
+  query axis: KV head ``g`` of a row carries the ``L = queries x group`` query
+  vectors that read it (query position ``s``, query head ``h = g x group + j``
+  at index ``s x group + j``). A row has one or two query positions: its real
+  token and, when a token was speculated, the speculated one.
+* ``keys`` / ``values``: ``shape: [rows, num_kv_heads, n, head_dim]``: the
+  row's resident set, its critical set (different tokens per KV head) and a
+  column for the speculated token's own K/V, padded to a common ``n``.
+* ``mask``: ``shape: [rows, 1 or num_kv_heads, L, n], dtype: torch.bool``,
+  True where a query may attend: padding is False for both queries, the
+  speculated token's own column is True only for the speculated query.
 
-where ``K_b``/``V_b`` hold, per KV head, the keys/values of the tokens that
-request attends to (its resident set plus its critical set), already gathered
-from the device pool and the host tier by the caller.
+Per row ``r``, KV head ``g`` and query index ``i``::
 
-Each request is one call of ``torch.nn.functional.scaled_dot_product_attention``
-with ``enable_gqa=True`` on ``[Hq, 1, D]`` x ``[Hkv, n, D]``, the same call
-SGLang's ``torch_native`` backend makes per request
-(``sglang/srt/layers/attention/torch_native_backend.py``,
-``_run_sdpa_forward_decode``). So when a request's token set is its whole
-context in position order, the output is bit-identical to the dense path
-(``tests/test_sparse_decode.py`` checks this with ``torch.equal``).
+    out[r, g, i] = softmax(scale * q[r, g, i] . keys[r, g, mask[r, g, i]]) @ values[r, g, mask[r, g, i]]
+
+computed by one ``torch.nn.functional.scaled_dot_product_attention`` call
+(PyTorch picks its fused CPU / CUDA kernel). This is the PyTorch reference used
+everywhere; the FlashInfer path for CUDA will sit behind the same function.
+With a row's whole context in its token set, the result equals dense attention
+up to floating-point summation order (``tests/test_sparse_decode.py`` compares
+against an independent per-row softmax).
 """
 
 from __future__ import annotations
@@ -25,48 +32,65 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 
+def fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[rows, S, num_q_heads, D]`` -> ``[rows, num_kv_heads, S x group, D]`` (see the module docstring).
+
+    Raises:
+        ValueError: ``num_q_heads`` is not a multiple of ``num_kv_heads``.
+    """
+    r, s, hq, d = q.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {num_kv_heads}")
+    g = hq // num_kv_heads
+    return q.view(r, s, num_kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(r, num_kv_heads, s * g, d)
+
+
+def unfold_gqa(out: torch.Tensor, positions: int) -> torch.Tensor:
+    """Inverse of :func:`fold_gqa`: ``[rows, Hkv, S x group, D]`` -> ``[rows, S, Hkv x group, D]``."""
+    r, hkv, n_q, d = out.shape
+    g = n_q // positions
+    return out.view(r, hkv, positions, g, d).permute(0, 2, 1, 3, 4).reshape(r, positions, hkv * g, d)
+
+
 def sparse_decode_attention(
     q: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention of ``b`` requests, each over its own gathered tokens.
+    """Decode attention of every sparse row of a step (module docstring for the layout).
 
     Args:
-        q: queries, ``shape: [b, num_q_heads, head_dim]``, float dtype.
-        keys: ``b`` tensors, ``keys[i]`` of ``shape: [num_kv_heads, n_i, head_dim]``,
-            ``n_i >= 1``; row ``g`` holds the keys KV head ``g`` attends to (the
-            token sets may differ between heads, their count may not).
-        values: ``b`` tensors, ``values[i]`` of ``shape: [num_kv_heads, n_i, v_head_dim]``,
-            in the same token order as ``keys[i]``.
+        q: ``shape: [rows, num_kv_heads, L, head_dim]``, float dtype (GQA folded, :func:`fold_gqa`).
+        keys: ``shape: [rows, num_kv_heads, n, head_dim]``, same dtype as ``q``.
+        values: ``shape: [rows, num_kv_heads, n, v_head_dim]``.
+        mask: ``shape: [rows, 1 or num_kv_heads, L, n], dtype: torch.bool`` (True: attend), or None
+            (every column of every row is valid). Every query must have at least one True column.
+            Masked columns must hold finite values (a NaN there still poisons the row: the
+            mask is added to the scores); the layer ring is zero-filled for this reason.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
-        ``shape: [b, num_q_heads, v_head_dim]``, ``q.dtype``.
+        ``shape: [rows, num_kv_heads, L, v_head_dim]``, ``q.dtype``.
 
     Raises:
-        ValueError: ``q`` is not 3-D; the lists' lengths differ from ``b``; a key or
-            value tensor has the wrong shape or no tokens; ``num_q_heads`` is not a
-            multiple of ``num_kv_heads``.
+        ValueError: a tensor is not 4-D, or the shapes disagree (the message gives them).
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got {tuple(q.shape)}")
-    b, hq, d = q.shape
-    if len(keys) != b or len(values) != b:
-        raise ValueError(f"need {b} key and value tensors, got {len(keys)} and {len(values)}")
-    outs = []
-    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        if k.dim() != 3 or k.shape[2] != d or k.shape[1] < 1:
-            raise ValueError(f"keys[{i}] must be [num_kv_heads, n >= 1, {d}], got {tuple(k.shape)}")
-        if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
-            raise ValueError(f"values[{i}] {tuple(v.shape)} does not match keys[{i}] {tuple(k.shape)}")
-        if hq % k.shape[0]:
-            raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {k.shape[0]}")
-        qi = q[i].unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D], as torch_native passes it
-        ki, vi = k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0)
-        out = scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=hq != k.shape[0])
-        outs.append(out[0, :, 0])
-    if not outs:
-        return q.new_empty((0, hq, d))
-    return torch.stack(outs)
+    if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4:
+        raise ValueError(
+            f"q, keys, values must be 4-D [rows, num_kv_heads, len, dim], got "
+            f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
+    r, hkv, n_q, d = q.shape
+    if keys.shape[:2] != (r, hkv) or keys.shape[3] != d or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(
+            f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match q {tuple(q.shape)}"
+        )
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] != r or mask.shape[2:] != (n_q, keys.shape[2])):
+        raise ValueError(f"mask must be [{r}, 1|{hkv}, {n_q}, {keys.shape[2]}], got {tuple(mask.shape)}")
+    if r == 0:
+        return q.new_empty((0, hkv, n_q, values.shape[3]))
+    return scaled_dot_product_attention(
+        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
+    )

@@ -1,18 +1,22 @@
-"""Layer-scoped device buffers for critical-set K/V: a ring of ``depth + 1`` layer slots.
+"""Layer-scoped device buffers for the sparse rows' attention K/V: a ring of ``depth + 1`` layer slots.
 
-A decode step of the sparse path needs, per layer, the critical-set K/V of its
-sparse requests on the device. Only the layers in flight need it at once: the
+A decode step of the sparse path needs, per layer, the K/V its sparse rows
+attend to in one device buffer: the critical set (copied from the host tier),
+the resident set (gathered from the device pool at attention time) and each
+speculated token's own K/V. Only the layers in flight need it at once: the
 layer being attended and the ``depth`` layers whose copies run ahead of it
 (:mod:`dd_sglang.prefetch.schedule`). So the buffer is a ring of ``depth + 1``
 slots, layer ``l`` using slot ``l % (depth + 1)``, not one buffer per layer.
 
 Bytes (exact, what :attr:`LayerRingBuffer.nbytes` reports)::
 
-    2 (K and V) x (depth + 1) x rows x num_kv_heads x k x head_dim x dtype.itemsize
+    2 (K and V) x (depth + 1) x rows x num_kv_heads x columns x head_dim x dtype.itemsize
 
-where ``rows`` and ``k`` are the capacities reserved for the running batch
-(:meth:`LayerRingBuffer.reserve`: grown when a step needs more, kept while
-steps fit, released when no sparse row runs).
+where ``rows`` and ``columns`` (resident + critical + repair + 1 per row,
+:attr:`dd_sglang.prefetch.plan.StepPlan.columns`) are the capacities reserved
+for the running batch (:meth:`LayerRingBuffer.reserve`: grown when a step needs
+more, kept while steps fit, released when no sparse row runs). Slots are
+zero-filled when allocated: masked columns are never read as NaN.
 """
 
 from __future__ import annotations
@@ -39,14 +43,14 @@ class LayerRingBuffer:
         self.n_slots = depth + 1
         self.device = torch.device(device)
         self.dtype = dtype
-        self.k: torch.Tensor | None = None  # [n_slots, rows, Hkv, k, D]
+        self.k: torch.Tensor | None = None  # [n_slots, rows, Hkv, columns, D]
         self.v: torch.Tensor | None = None
         self.peak_bytes = 0
         self.allocations = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """``(n_slots, rows, num_kv_heads, k, head_dim)`` reserved, or ``()`` when released."""
+        """``(n_slots, rows, num_kv_heads, columns, head_dim)`` reserved, or ``()`` when released."""
         return tuple(self.k.shape) if self.k is not None else ()
 
     @property
@@ -55,7 +59,7 @@ class LayerRingBuffer:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
     def reserve(self, rows: int, num_kv_heads: int, k: int, head_dim: int) -> None:
-        """Make every slot hold at least ``[rows, num_kv_heads, k, head_dim]``.
+        """Make every slot hold at least ``[rows, num_kv_heads, k, head_dim]`` (``k``: columns).
 
         Reallocates (contents lost) only when a dimension grows or the head layout changes;
         ``rows == 0`` releases the buffer.
@@ -69,13 +73,13 @@ class LayerRingBuffer:
                 return
             rows, k = max(rows, r0), max(k, k0)
         shape = (self.n_slots, rows, num_kv_heads, k, head_dim)
-        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.allocations += 1
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
 
     def slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of the slot layer ``layer`` uses: ``[rows, num_kv_heads, k, head_dim]`` each.
+        """K and V views of the slot layer ``layer`` uses: ``[rows, num_kv_heads, columns, head_dim]`` each.
 
         Raises:
             RuntimeError: nothing is reserved.

@@ -48,13 +48,15 @@ OVERRIDE_TOP_K = "dd_top_k"
 OVERRIDE_SELECTOR = "dd_selector"
 OVERRIDE_SPECULATOR = "dd_speculator"
 OVERRIDE_MISS_POLICY = "dd_miss_policy"
+OVERRIDE_SPARSE = "dd_sparse"
 MISS_POLICIES = ("use_prefetched", "repair")
 TOP_K_RANGE = (1, 1_000_000)
 
 
 def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tuple[str, ...] = ()) -> dict:
     """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
-    "miss_policy": str}`` (keys present only).
+    "miss_policy": str, "sparse": bool}`` (keys present only). ``dd_sparse: false`` keeps a request
+    on the dense path whatever its length (an exact answer, or a dense reference beside sparse ones).
 
     Args:
         custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None).
@@ -70,7 +72,7 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
     out: dict = {}
     if not isinstance(custom_params, dict):
         return out
-    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY)
+    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE)
     for key in custom_params:
         if isinstance(key, str) and key.startswith("dd_") and key not in known:
             raise ValueError(f"custom_params.{key} is not a dd_sglang override; known: {list(known)}")
@@ -80,6 +82,11 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"custom_params.{OVERRIDE_TOP_K} must be an integer in [{lo}, {hi}], got {v!r}")
         out["top_k"] = v
+    if OVERRIDE_SPARSE in custom_params:
+        v = custom_params[OVERRIDE_SPARSE]
+        if not isinstance(v, bool):
+            raise ValueError(f"custom_params.{OVERRIDE_SPARSE} must be true or false, got {v!r}")
+        out["sparse"] = v
     for key, field, allowed in (
         (OVERRIDE_SELECTOR, "selector", selectors),
         (OVERRIDE_SPECULATOR, "speculator", speculators),

@@ -56,6 +56,9 @@ from dd_sglang.kvcache.params import SparseParams, request_overrides
 logger = logging.getLogger(__name__)
 S = PathState
 
+#: min_sparse_len of a request that asked to stay dense (``custom_params.dd_sparse: false``).
+DENSE_ONLY = 2**62
+
 #: Tokens copied per chunk when a host-tier prefix is loaded back (REBUILD).
 REBUILD_CHUNK_TOKENS = 1024
 
@@ -78,12 +81,10 @@ class SparseRequest:
         top_k, selector, speculator: this request's critical-set size, selector and
             speculator (the preset's, or the request's ``custom_params`` overrides).
         miss_policy: the request's ``dd_miss_policy`` override, or None (the preset's).
-        prefetched: host layer -> ``[num_kv_heads, k]`` int64 host-tier positions chosen
-            during the previous step for this one (lookahead selectors).
-        next_prefetched: the same, being chosen during this step for the next one.
         req: SGLang's ``Req`` (its token ids feed the speculators).
-        spec: the speculator's per-request state (owned by ``dd_sglang.prefetch``).
-        aux: per host layer, device-resident selection state (``quest_device`` page summaries).
+
+    The prefetch layer's per-request state (speculation, chosen sets) is its own,
+    dropped through :meth:`SparseRuntime.add_release_listener`.
     """
 
     rid: str
@@ -99,11 +100,7 @@ class SparseRequest:
     selector: str = ""
     speculator: str = "none"
     miss_policy: str | None = None
-    prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
-    next_prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
     req: object = None
-    spec: object = None
-    aux: dict = field(default_factory=dict)
     host_free_at_failure: int = -1  # free host slots when an offload last failed (-1: never)
 
     def device_positions(self, end: int) -> torch.Tensor:
@@ -203,9 +200,13 @@ class SparseRuntime:
         # Counters for /stats and the bench (tokens).
         self.offloaded_tokens = 0
         self.rebuilt_tokens = 0
-        self.critical_buffer_bytes = 0  # set by the attention backend each sparse layer
-        self.ring_buffer_bytes = 0  # the attention backend's layer ring (lookahead selectors)
+        # Published by the attention backend each decode step (bytes).
+        self.ring_buffer_bytes = 0  # the layer ring: the sparse rows' attention K/V for the layers in flight
+        self.critical_buffer_bytes = 0  # the ring's critical-set (and repair) columns, part of the above
+        self.selector_aux: dict[str, int] = {}  # device bytes kept only to choose critical sets, by selector
+        self.host_index_bytes = 0  # host bytes of the key-block index spec_host reads
         self.reclaimed_slots = 0  # device slots given back (freed or left evictable), cumulative
+        self._release_listeners: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------------ lookups
     def sparse_request(self, pool_idx: int) -> SparseRequest | None:
@@ -235,13 +236,13 @@ class SparseRuntime:
         )
 
     def selector_aux_bytes(self) -> dict[str, int]:
-        """Device bytes of selection state (``SparseRequest.aux``) held by live requests, by selector."""
-        out: dict[str, int] = {}
-        for st in self.requests.values():
-            if st.aux:
-                n = sum(t.nbytes for ts in st.aux.values() for t in ts if isinstance(t, torch.Tensor))
-                out[st.selector] = out.get(st.selector, 0) + n
-        return out
+        """Device bytes of selection state by selector (published by the attention backend)."""
+        return dict(self.selector_aux)
+
+    def add_release_listener(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(rid)`` whenever a tracked request is released (finished, aborted, retracted)."""
+        if fn not in self._release_listeners:
+            self._release_listeners.append(fn)
 
     def _kv_end(self, st: SparseRequest) -> int:
         return self._kv_len.get(st.rid, st.win_start)
@@ -251,14 +252,14 @@ class SparseRuntime:
         st = self.requests.get(req.rid)
         if st is None:
             n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-            path = DualPath(req.rid, n, self.params.min_sparse_len, self.on_transition)
-            if req.rid in self._rebuilt:
-                self._rebuilt.discard(req.rid)
-                path = DualPath.starting_in(
-                    S.REBUILD, req.rid, self.params.min_sparse_len, self.on_transition
-                )
             custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
             over = request_overrides(custom, self.selectors, self.speculators)
+            # dd_sparse false: no context is long enough to leave the dense path.
+            min_len = self.params.min_sparse_len if over.get("sparse", True) else DENSE_ONLY
+            path = DualPath(req.rid, n, min_len, self.on_transition)
+            if req.rid in self._rebuilt:
+                self._rebuilt.discard(req.rid)
+                path = DualPath.starting_in(S.REBUILD, req.rid, min_len, self.on_transition)
             st = SparseRequest(
                 req.rid,
                 path,
@@ -299,7 +300,10 @@ class SparseRuntime:
                 continue
             self._kv_len[req.rid] = int(req.kv.kv_committed_len)
             if st.path.state is S.PREFILL_FULL:
-                self.offload(req, st, tree_cache)
+                if st.path.wants_sparse(int(req.kv.kv_committed_len)):
+                    self.offload(req, st, tree_cache)
+                else:  # a reloaded prefix of a request that asked to stay dense (dd_sparse false)
+                    st.path.to(S.DENSE)
         self._just_released.clear()
         return self.reclaimed_slots - before
 
@@ -503,6 +507,8 @@ class SparseRuntime:
         self._rebuilt.discard(req.rid)
         if st is None:
             return
+        for fn in self._release_listeners:
+            fn(req.rid)
         self._just_released.add(req.rid)
         if st.pool_idx is not None and self.by_pool.get(st.pool_idx) is st:
             del self.by_pool[st.pool_idx]

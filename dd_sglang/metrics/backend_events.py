@@ -1,6 +1,7 @@
 """Prometheus receiver of the ``dualdecoder`` attention backend's events.
 
 Implements the methods of :class:`dd_sglang.attention.backend.BackendEvents`
+(and of :class:`dd_sglang.prefetch.runner.PrefetchEvents`, which it extends)
 (by name; no import of the attention layer) with the metrics of
 :mod:`dd_sglang.metrics.definitions`. Lives in the scheduler process, where
 ``PROMETHEUS_MULTIPROC_DIR`` is set before SGLang starts.
@@ -21,8 +22,8 @@ class MetricsEvents:
     def sparse_rows(self, n: int) -> None:
         self.m.SPARSE_DECODE_ROWS.inc(n)
 
-    def cold(self, selector: str) -> None:
-        self.m.PREFETCH_COLD.labels(selector=selector).inc()
+    def cold(self, selector: str, n: int) -> None:
+        self.m.PREFETCH_COLD.labels(selector=selector).inc(n)
 
     def prefetch(self, selector, speculator, layer, hits, lookups, mass_prefetched, mass_top_k) -> None:
         m, lab = self.m, {"selector": selector, "speculator": speculator}
@@ -37,10 +38,20 @@ class MetricsEvents:
         if accepted:
             self.m.SPEC_ACCEPTED.labels(speculator=speculator).inc()
 
-    def miss(self, policy: str, repaired_tokens: int) -> None:
-        self.m.PREFETCH_MISSES.labels(policy=policy).inc()
+    def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
+        self.m.PREFETCH_MISSES.labels(policy=policy).inc(n)
         if repaired_tokens:
             self.m.PREFETCH_REPAIRED_TOKENS.inc(repaired_tokens)
+
+    def copied(self, nbytes: int) -> None:
+        self.m.TRANSFER_BYTES.inc(nbytes)
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.m.STEP_PHASE_SECONDS.labels(phase=name).inc(seconds)
+
+    def step(self, kind: str, seconds: float) -> None:
+        self.m.DECODE_STEPS.labels(kind=kind).inc()
+        self.m.DECODE_STEP_SECONDS.labels(kind=kind).inc(seconds)
 
     def transfer(self, timings) -> None:
         m = self.m

@@ -66,8 +66,8 @@ SPARSE_REQUEST_DEVICE_TOKENS_MAX = Gauge(
 )
 CRITICAL_SET_BUFFER_BYTES = Gauge(
     "dd_critical_set_buffer_bytes",
-    "Device bytes holding critical-set K/V in the last sparse decode step: the layer ring (lookahead "
-    "selectors) plus one layer's synchronous gather (other selectors, misses repaired).",
+    "Device bytes holding critical-set K/V in the last sparse decode step: the critical-set and repair "
+    "columns of the layer ring (part of dd_layer_ring_buffer_bytes).",
     multiprocess_mode="livesum",
 )
 HBM_USED_BYTES = Gauge(
@@ -161,15 +161,46 @@ TRANSFER_HIDDEN_SECONDS = Counter(
 )
 LAYER_RING_BUFFER_BYTES = Gauge(
     "dd_layer_ring_buffer_bytes",
-    "Device bytes of the layer ring holding prefetched critical-set K/V (prefetch.depth + 1 layer slots).",
+    "Device bytes of the layer ring: the sparse rows' attention K/V (resident, critical set, repair, "
+    "speculated token) for the layers in flight (prefetch.depth + 1 layer slots).",
     multiprocess_mode="livesum",
 )
 SELECTOR_AUX_BYTES = Gauge(
     "dd_selector_aux_bytes",
-    "Device bytes kept only to choose critical sets (auxiliary state), by selector: quest_device's page "
-    "summaries; 0 for spec_host, recency and oracle.",
+    "Device bytes kept only to choose critical sets (auxiliary state), by selector: quest_device's key-block "
+    "summaries; 0 for spec_host (its index is in host memory), spec_host_exact, recency and oracle.",
     ["selector"],
     multiprocess_mode="livesum",
+)
+HOST_INDEX_BYTES = Gauge(
+    "dd_host_index_bytes",
+    "Host-memory bytes of the key-block index (min/max key summaries per 16-token block) spec_host ranks "
+    "blocks with: 1/16 of the host tier's bytes once any spec_host request ran.",
+    multiprocess_mode="livesum",
+)
+TRANSFER_BYTES = Counter(
+    "dd_transfer_bytes",
+    "Critical-set K/V bytes gathered from the host tier into the layer ring (copies ahead, synchronous "
+    "selections and repairs). Per step = this / dd_decode_steps_total{kind=\"sparse\"}.",
+)
+STEP_PHASE_SECONDS = Counter(
+    "dd_step_phase_seconds",
+    "Decode forward time by phase, summed: plan (building the step plan), select (choosing critical sets on "
+    "the forward thread: cold starts, synchronous selectors, repairs), assemble (resident gather and attention "
+    "inputs), attention (dense and sparse attention calls), select_ahead (next-step selection on the select "
+    "worker, off the forward thread). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
+    ["phase"],
+)
+DECODE_STEPS = Counter(
+    "dd_decode_steps",
+    "Decode forwards run by the dualdecoder backend, by kind: sparse (had sparse rows) or dense.",
+    ["kind"],
+)
+DECODE_STEP_SECONDS = Counter(
+    "dd_decode_step_seconds",
+    "Wall time of decode forwards (from planning to the logits), summed, by kind. Mean step time = this / "
+    "dd_decode_steps_total.",
+    ["kind"],
 )
 PREFETCH_LAYER_HIT_RATE = Histogram(
     "dd_prefetch_layer_hit_rate",
@@ -201,6 +232,7 @@ UNITS = {
     "dd_spec_proposed": "decode steps",
     "dd_spec_accepted": "decode steps",
     "dd_prefetch_layer_hit_rate": "ratio in [0, 1]",
+    "dd_decode_steps": "decode forwards",
 }
 
 #: Label names and the values they take (bounded sets; never request ids).
@@ -208,12 +240,14 @@ LABEL_VALUES = {
     "state": "DualPath state: " + ", ".join(DUALPATH_STATES),
     "from": "DualPath state the request left: " + ", ".join(DUALPATH_STATES),
     "to": "DualPath state the request entered: " + ", ".join(DUALPATH_STATES),
-    "selector": "critical-set selector: oracle, spec_host, quest_device, recency",
+    "selector": "critical-set selector: oracle, spec_host, spec_host_exact, quest_device, recency",
     "speculator": "speculator: dual_token, ngram, none (selectors other than spec_host read no speculated "
     "token and count under none)",
     "policy": "miss policy: use_prefetched, repair",
     "source": "cuda_allocator (CUDA) or cpu_device_pool (no accelerator)",
     "layer": "transformer layer index, 0 .. layers - 1",
+    "phase": "decode step phase: plan, select, assemble, attention, select_ahead",
+    "kind": "decode forward kind: sparse (had sparse rows) or dense",
 }
 
 #: How to read a series, beyond its help text (queries are PromQL).
@@ -242,6 +276,8 @@ READING = {
     "dd_transfer_wait_seconds": "histogram_quantile(0.99, rate(dd_transfer_wait_seconds_bucket[5m])): "
     "the exposed copy wait per layer; near 0 means the transfer schedule hides the copies.",
     "dd_transfer_hidden_seconds": "Hidden share = rate(this) / rate(dd_transfer_copy_seconds_sum).",
+    "dd_decode_steps": "Mean step time = rate(dd_decode_step_seconds_total) / rate(dd_decode_steps_total), "
+    "by kind; the phases' share = rate(dd_step_phase_seconds_total) by (phase) / rate(dd_decode_step_seconds_total).",
     "dd_prefetch_layer_hit_rate": "Per-layer distribution of the per-(request, step) hit rate on sampled "
     "steps: a layer whose mass sits in low buckets is predicted badly.",
 }

@@ -75,7 +75,7 @@ def sparse_snapshot() -> dict | None:
     Keys: ``host_capacity_bytes``, ``host_used_bytes``, ``host_prefix_cache_bytes``,
     ``resident_tokens`` (device slots of sparse requests), ``request_device_tokens_max``,
     ``critical_buffer_bytes``, ``ring_buffer_bytes`` (the backend's layer ring),
-    ``selector_aux_bytes`` (device selection state by selector), ``states`` (requests by DualPath state), ``offloaded_tokens``,
+    ``selector_aux_bytes`` (device selection state by selector), ``host_index_bytes``, ``states`` (requests by DualPath state), ``offloaded_tokens``,
     ``rebuilt_tokens``, ``host_bytes_per_token``.
     """
     from dd_sglang.kvcache import sparse_runtime
@@ -94,6 +94,7 @@ def sparse_snapshot() -> dict | None:
         "critical_buffer_bytes": rt.critical_buffer_bytes if rt.by_pool else 0,
         "ring_buffer_bytes": rt.ring_buffer_bytes if rt.by_pool else 0,
         "selector_aux_bytes": rt.selector_aux_bytes(),
+        "host_index_bytes": rt.host_index_bytes,
         "states": rt.state_counts(),
         "offloaded_tokens": rt.offloaded_tokens,
         "rebuilt_tokens": rt.rebuilt_tokens,
@@ -138,8 +139,9 @@ class SchedulerMetrics:
         m.CRITICAL_SET_BUFFER_BYTES.set(h["critical_buffer_bytes"] if h else 0)
         m.LAYER_RING_BUFFER_BYTES.set(h["ring_buffer_bytes"] if h else 0)
         aux = h["selector_aux_bytes"] if h else {}
-        for sel in ("oracle", "spec_host", "quest_device", "recency"):
+        for sel in ("oracle", "spec_host", "spec_host_exact", "quest_device", "recency"):
             m.SELECTOR_AUX_BYTES.labels(selector=sel).set(aux.get(sel, 0))
+        m.HOST_INDEX_BYTES.set(h["host_index_bytes"] if h else 0)
         if snap.cuda_allocated_bytes is not None:
             m.HBM_USED_BYTES.labels(source="cuda_allocator").set(snap.cuda_allocated_bytes)
         else:

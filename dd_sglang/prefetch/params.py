@@ -20,12 +20,11 @@ class PrefetchParams:
         repair_budget: tokens per layer and KV head a repair may add.
         hit_rate_sample: fraction of (request, step)s on which the exact top-k of the real
             query is computed to measure the prefetch hit rate (0 disables, 1 every step).
-        blend: when the speculated token is not confident (``dual_token`` after a rejected
-            speculation, ``ngram`` always), ``spec_host`` ranks candidates by the max of the
-            speculated and the current query's scores, at the same budget k (DESIGN.md:
-            "combining evidence"). Off by default: on teacher-forced text it lowered the hit
-            rate in every measured case (``bench/prefetch.py --blend on``; e.g. 4k tokens,
-            k = 1/16: ``dual_token`` 0.742 -> 0.736, ``ngram`` 0.688 -> 0.664).
+        rerank: ``spec_host`` reads and re-ranks exactly the best blocks of its host-tier
+            index covering ``rerank x k`` tokens (:class:`~dd_sglang.prefetch.selectors.SpecHostSelector`).
+        transfer: ``worker`` (copies on the copy worker, overlapping the layers before) or
+            ``inline`` (on the forward thread when the layer needs them); ``auto``: ``worker``
+            on CUDA, ``inline`` on a CPU device.
     """
 
     speculator: str = "dual_token"
@@ -33,4 +32,5 @@ class PrefetchParams:
     miss_policy: str = "use_prefetched"
     repair_budget: int = 32
     hit_rate_sample: float = 0.05
-    blend: bool = False
+    rerank: float = 4.0
+    transfer: str = "auto"

@@ -19,8 +19,11 @@ selectors, :mod:`dd_sglang.prefetch.selectors`). Step t+1 then runs:
 4. During step t+1, each lookahead layer queues the selection of step t+2's
    set for that layer (:meth:`TransferSchedule.submit_select`).
 
-Workers: on every platform, two daemon threads (copy, select) fed by FIFO
-queues. PyTorch releases the GIL inside its ops, so on a CPU the gathers and
+Workers: two daemon threads (copy, select) fed by FIFO queues. With
+``inline=True`` the copy runs on the forward thread instead, when
+:meth:`TransferSchedule.wait` asks for it (no overlap, no thread hand-off: the
+choice for a CPU "device", where the copy is a memory gather competing for the
+same cores; ``bench.decode_speed`` measures both). PyTorch releases the GIL inside its ops, so on a CPU the gathers and
 the forward's layers really run at once (2 cores here). On CUDA the copy
 worker additionally issues the host-to-device copy on its own stream and
 records a CUDA event per layer; :meth:`wait` makes the compute stream wait on
@@ -128,8 +131,11 @@ class TransferSchedule:
         self,
         ring: LayerRingBuffer,
         on_step: Callable[[list[LayerTiming]], None] | None = None,
+        inline: bool = False,
     ):
         self.ring = ring
+        self.inline = inline
+        self._inline_jobs: dict[int, Callable[[], None]] = {}
         self.depth = ring.depth
         self.on_step = on_step
         self._copy = _Worker("dd-copy")
@@ -194,7 +200,10 @@ class TransferSchedule:
                 t.copy_end = time.perf_counter()
                 evt.set()
 
-        self._copy.submit(job)
+        if self.inline:
+            self._inline_jobs[layer] = job
+        else:
+            self._copy.submit(job)
 
     def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block until ``layer``'s copy is done; returns its ring slot ``(k, v)`` views.
@@ -205,6 +214,9 @@ class TransferSchedule:
         """
         t = self._timing[layer]
         t.wait_start = time.perf_counter()
+        job = self._inline_jobs.pop(layer, None)
+        if job is not None:  # inline: the copy runs now, all of it exposed
+            job()
         self._done_evt[layer].wait()
         self._copy.raise_error()
         ev = self._cuda_evt.pop(layer, None)
@@ -229,6 +241,9 @@ class TransferSchedule:
         """Wait for queued copies (also those no layer waited for) and keep the step's timings."""
         if not self._timing:
             return
+        for job in self._inline_jobs.values():  # copies no layer asked for still run: nothing is skipped
+            job()
+        self._inline_jobs.clear()
         for evt in self._done_evt.values():
             evt.wait()
         self._copy.raise_error()

@@ -1,293 +1,225 @@
-"""Selectors: score a request's candidate tokens for one query and return its critical set.
+"""Selectors: one class per policy; each scores a step's candidate tokens, then takes the top-k.
 
-Interface (every selector, one layer at a time)::
+Interface (every selector, one layer, every row of the step it serves at once)::
 
-    selector.select(queries, locations, k, host_keys, scale) -> CriticalSet
+    selector.select(q, rows, host_k, k, scale, index, layer) -> (positions, slots)
 
-* ``queries``: ``shape: [num_reqs, num_q_heads, head_dim]``, the queries that
-  drive selection (the current token's for ``oracle``; a speculated token's
-  for the lookahead selectors).
-* ``locations``: one tensor per request, ``shape: [n_r], dtype: torch.int64``,
-  the host-tier slots of the request's candidate tokens (its host-tier tokens
-  outside the resident set), in position order.
-* ``k``: critical-set budget in tokens (>= 1).
-* ``host_keys``: the layer's host-tier key buffer,
-  ``shape: [host_slots, num_kv_heads, head_dim]`` (``HostSparseKVPool.k[layer]``).
-* ``scale``: softmax scale.
-* Result: :class:`CriticalSet` with ``positions``
-  ``shape: [num_reqs, num_kv_heads, k], dtype: torch.int64`` (indices into each
-  request's ``locations``, best first) and ``lengths`` ``[num_reqs, num_kv_heads]``
-  (``min(k, n_r)``; entries past it are padding 0).
+* ``q``: ``shape: [rows, num_q_heads, head_dim]``: the queries that drive
+  selection (the current token's for ``oracle``, ``recency`` and
+  ``quest_device``; the speculated token's for ``spec_host`` and
+  ``spec_host_exact``).
+* ``rows``: :class:`~dd_sglang.prefetch.index.RowBlocks`, the rows' candidate
+  blocks and positions (host-tier positions outside the resident set); every
+  row has more than ``k`` candidates.
+* ``host_k``: the layer's host-tier keys, ``shape: [host_slots, num_kv_heads, head_dim]``.
+* ``k``: critical-set budget in tokens per KV head (>= 1).
+* ``index``: the :class:`~dd_sglang.prefetch.index.KeyBlockIndex` the selector
+  reads (:attr:`Selector.index_location` says where it lives), else None.
+* Result: ``positions`` and host-tier ``slots``, each
+  ``shape: [rows, num_kv_heads, k], dtype: torch.int64``, best first.
 
-Scores follow DESIGN.md ("Measuring the prefetch hit rate honestly"): a KV
-head's score for a token is the **max over its query heads** (GQA group
-``h // (Hq // Hkv)``) of their softmax probabilities. Softmax runs over the
-request's whole context, so scores are comparable across the group's heads.
+Policies:
 
-Every selector reports :meth:`Selector.device_aux_bytes`, the device bytes it
-keeps only to choose critical sets (DESIGN.md "auxiliary state").
+* ``oracle``: exact top-k of the current query over every candidate key, at
+  attention time. A reference: it reads every key every step.
+* ``recency``: the same scores one step ahead (step t's exact top-k is step
+  t+1's set): the zero-state baseline.
+* ``spec_host_exact``: exact top-k of the *speculated* token's query over every
+  candidate key in the host tier, one step ahead: the reference the default
+  is measured against.
+* ``spec_host`` (default): the speculated token's query ranks the host-tier
+  block summaries; only the best blocks, covering ``rerank x k`` tokens, are
+  read and re-ranked exactly. No device state.
+* ``quest_device``: Quest with the current query: block summaries kept on the
+  device, the best blocks' tokens (no key read), at attention time.
+
+Every selector reports the device bytes it keeps only to choose critical sets
+(DESIGN.md "auxiliary state") through the runner (``dd_selector_aux_bytes``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class CriticalSet:
-    """Per request and KV head: the selected token positions, best first.
-
-    ``positions``: ``[num_reqs, num_kv_heads, k]`` int64; ``lengths``: ``[num_reqs, num_kv_heads]`` int64.
-    """
-
-    positions: torch.Tensor
-    lengths: torch.Tensor
-
-    def as_sets(self, req: int, head: int) -> set[int]:
-        """The valid positions of one (request, KV head) as a Python set."""
-        return set(self.positions[req, head, : int(self.lengths[req, head])].tolist())
+from dd_sglang.prefetch.index import (
+    BLOCK_TOKENS,
+    KeyBlockIndex,
+    RowBlocks,
+    all_blocks,
+    block_scores,
+    block_tokens,
+    token_log_scores,
+)
 
 
 def gqa_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per-KV-head token scores for one request.
+    """Per-KV-head token scores of one request over the given keys (for benches and tests).
 
     Args:
         query: ``[num_q_heads, head_dim]``.
-        keys: ``[context_len, num_kv_heads, head_dim]``.
+        keys: ``[n, num_kv_heads, head_dim]``.
         scale: softmax scale (``head_dim ** -0.5`` for SmolLM2 / Llama).
 
     Returns:
-        ``[num_kv_heads, context_len]`` float32: for each KV head, the max over its
-        query heads of softmax(scale * q . k) over the whole context.
+        ``[num_kv_heads, n]`` float32: per KV head, the max over its query heads of
+        ``softmax(scale q . k)`` over the ``n`` keys (the probabilities
+        :func:`~dd_sglang.prefetch.index.token_log_scores` gives in log space).
+
+    Raises:
+        ValueError: ``num_q_heads`` is not a multiple of ``num_kv_heads``.
     """
     hq, d = query.shape
     n, hkv, _ = keys.shape
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
-    qg = query.float().view(hkv, hq // hkv, d)
-    logits = torch.einsum("hgd,nhd->hgn", qg, keys.float()) * scale
+    logits = torch.einsum("hgd,nhd->hgn", query.float().view(hkv, hq // hkv, d), keys.float()) * scale
     return torch.softmax(logits, dim=-1).amax(dim=1)
 
 
-def _check(queries: torch.Tensor, locations: list[torch.Tensor], k: int, host_keys: torch.Tensor) -> None:
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if queries.dim() != 3 or len(locations) != queries.shape[0]:
-        raise ValueError(f"queries must be [num_reqs, num_q_heads, head_dim] with one locations tensor per "
-                         f"request; got {tuple(queries.shape)} and {len(locations)} locations tensors")  # fmt: skip
-    if host_keys.dim() != 3 or host_keys.shape[2] != queries.shape[2]:
-        raise ValueError(
-            f"host_keys must be [host_slots, num_kv_heads, {queries.shape[2]}], got {tuple(host_keys.shape)}"
-        )
-    for i, loc in enumerate(locations):
-        if loc.dim() != 1 or loc.numel() < 1:
-            raise ValueError(f"locations[{i}] must be [n >= 1] host slots, got {tuple(loc.shape)}")
-
-
 class Selector:
-    """Base class. Subclasses implement :meth:`select` and :meth:`device_aux_bytes`.
+    """Base class: :meth:`score` ranks candidate tokens, :meth:`select` takes the top-k.
 
-    ``lookahead``: False (``oracle``): the set is chosen at attention time from the
-    current query. True: the set for step t+1 is fixed during step t and step t+1
-    attends to it as prefetched; the backend records how much of step t+1's exact
-    top-k it held (the prefetch hit rate).
+    Class attributes:
+        name: preset / ``custom_params.dd_selector`` name.
+        lookahead: False: the set is chosen at attention time from the current query.
+            True: the set for step t+1 is chosen during step t and copied ahead of attention.
+        uses_speculator: the selection query is the speculated token's (a second query
+            position rides in the batch).
+        index_location: ``"host"`` or ``"device"``: where the block index it reads lives;
+            None: it reads no index.
     """
 
     name = "base"
     lookahead = False
     uses_speculator = False
+    index_location: str | None = None
+
+    def score(
+        self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
+        index: KeyBlockIndex | None, layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Candidate tokens and their scores: ``(positions, slots, score)``, each
+        ``[rows, num_kv_heads, n]`` (score float32, ``-inf`` for non-candidates)."""
+        raise NotImplementedError
 
     def select(
-        self,
-        queries: torch.Tensor,
-        locations: list[torch.Tensor],
-        k: int,
-        host_keys: torch.Tensor,
-        scale: float,
-    ) -> CriticalSet:
-        """See the module docstring: each request's candidates ranked by :meth:`_rank`.
+        self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
+        index: KeyBlockIndex | None = None, layer: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The ``k`` best candidates per row and KV head (module docstring).
 
-        Raises ``ValueError`` on bad shapes or ``k < 1``.
+        Raises:
+            ValueError: ``k < 1``, or the selector needs an index and got none.
         """
-        _check(queries, locations, k, host_keys)
-        hkv = host_keys.shape[1]
-        positions = torch.zeros(len(locations), hkv, k, dtype=torch.int64)
-        lengths = torch.zeros(len(locations), hkv, dtype=torch.int64)
-        for r, loc in enumerate(locations):
-            ranked = self._rank(queries[r], host_keys.index_select(0, loc), k, scale)
-            positions[r, :, : ranked.shape[1]] = ranked
-            lengths[r] = ranked.shape[1]
-        return CriticalSet(positions, lengths)
-
-    def _rank(self, query: torch.Tensor, keys: torch.Tensor, k: int, scale: float) -> torch.Tensor:
-        """``[Hkv, min(k, n)]`` indices into ``keys`` (``[n, Hkv, D]``) for ``query`` (``[Hq, D]``)."""
-        raise NotImplementedError
-
-    def device_aux_bytes(self) -> int:
-        """Device bytes held only to choose critical sets."""
-        raise NotImplementedError
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if self.index_location is not None and index is None:
+            raise ValueError(f"selector {self.name} needs a KeyBlockIndex")
+        pos, slots, score = self.score(q, rows, host_k, k, scale, index, layer)
+        top = score.topk(k, dim=-1).indices
+        return pos.gather(-1, top), slots.gather(-1, top)
 
 
 class OracleSelector(Selector):
-    """Exact top-k by :func:`gqa_token_scores` over every key: an upper bound for evaluation.
-
-    It reads every key of every request each step (no device-resident state,
-    but a full pass over the host tier), so it is a reference, not a product path.
-    """
+    """Exact top-k of the current query over every candidate key (reads every key: a reference)."""
 
     name = "oracle"
 
-    def _rank(self, query: torch.Tensor, keys: torch.Tensor, k: int, scale: float) -> torch.Tensor:
-        """Exact top-k, best first: every candidate key is read."""
-        return gqa_token_scores(query, keys, scale).topk(min(k, keys.shape[0]), dim=-1).indices
-
-    def device_aux_bytes(self) -> int:
-        return 0
+    def score(self, q, rows, host_k, k, scale, index, layer):
+        pos, slots, ok = block_tokens(rows, all_blocks(rows, host_k.shape[1]))
+        return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
 
 
 class RecencySelector(OracleSelector):
-    """One step ahead, zero state: step t+1 attends to step t's exact top-k (DESIGN.md's baseline).
-
-    During step t the backend scores step t's query against the host-tier keys
-    (exact, as :class:`OracleSelector`, on the schedule's select worker) and
-    stores the top-k as the critical set of step t+1 (``lookahead``): the indices
-    for step t+1 are fixed one step ahead, so their K/V is copied while step
-    t+1's earlier layers compute. Positions that enter the host tier between the
-    two steps are not in it. A request's first sparse step has nothing stored
-    yet and selects from its current query (a cold start). Ignores the
-    speculator. Keeps no device state (:meth:`device_aux_bytes` is 0).
-    """
+    """Step t's exact top-k (current query) becomes step t+1's set: zero state, DESIGN.md's baseline."""
 
     name = "recency"
     lookahead = True
-    uses_speculator = False
 
 
-class SpecHostSelector(OracleSelector):
-    """One step ahead from the speculated token: exact scores of its query against host-tier keys.
+class SpecHostExactSelector(OracleSelector):
+    """Exact top-k of the speculated token's query over every host-tier candidate key, one step ahead.
 
-    During step t, layer l, the second query position (the speculated token
-    ``x̂_{t+1}``, :mod:`dd_sglang.prefetch.speculators`) is scored against every
-    candidate key *in the host tier* (full keys, the same GQA max-over-group
-    softmax as :class:`OracleSelector`), on the schedule's select worker, off
-    the forward thread; the top-k becomes step t+1's critical set for layer l.
-    Without a speculated token (speculator ``none``, or no proposal this step) it
-    scores the current query, which makes it :class:`RecencySelector`.
+    The reference for :class:`SpecHostSelector`: same query, no index, every key read.
+    """
 
-    It scores full host keys, not page summaries: the host tier holds them
-    anyway, so exactness costs host compute only (off the forward thread), and
-    the recall lost to summaries is what ``quest_device`` measures beside it
-    (``bench/prefetch.py``). No byte of selection state lives on the device:
-    :meth:`device_aux_bytes` is 0; the index lists it returns are the only thing
-    the device sees.
+    name = "spec_host_exact"
+    lookahead = True
+    uses_speculator = True
+
+
+class SpecHostSelector(Selector):
+    """The speculated token's query over the host-tier block index, then exact re-ranking (the default).
+
+    Blocks are ranked by their bound (:func:`~dd_sglang.prefetch.index.block_scores`); the
+    best ``m`` blocks per KV head, ``m = ceil((rerank x k + holes) / 16)``, are read from the
+    host tier and scored exactly; the top-k of those is the set. Keys read per layer and KV
+    head: ``2 x blocks`` summary rows plus ``16 m`` keys, instead of every candidate. The
+    index lives in host memory: no device bytes.
+
+    Args:
+        rerank: the blocks re-ranked cover ``rerank x k`` candidate tokens (>= 1).
+
+    Raises:
+        ValueError: ``rerank < 1``.
     """
 
     name = "spec_host"
     lookahead = True
     uses_speculator = True
+    index_location = "host"
 
+    def __init__(self, rerank: float = 4.0):
+        if rerank < 1:
+            raise ValueError(f"prefetch.rerank must be >= 1, got {rerank}")
+        self.rerank = rerank
 
-def quest_page_summaries(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quest's per-page key summaries (Tang et al., "Quest", ICML 2024, section 3).
-
-    Args:
-        keys: ``[n, num_kv_heads, head_dim]``, a request's candidate keys in position order.
-        page_size: tokens per page; pages are consecutive runs of ``page_size`` candidates (the
-            last may be partial).
-
-    Returns:
-        ``(mins, maxs)``, each ``[ceil(n / page_size), num_kv_heads, head_dim]`` in ``keys.dtype``:
-        the element-wise min and max of each page's keys.
-    """
-    n, hkv, d = keys.shape
-    n_pages = -(-n // page_size)
-    pad = n_pages * page_size - n
-    k = keys
-    if pad:
-        k = torch.cat([keys, keys[-1:].expand(pad, hkv, d)])  # repeating a real key leaves min/max unchanged
-    k = k.view(n_pages, page_size, hkv, d)
-    return k.amin(dim=1), k.amax(dim=1)
-
-
-def quest_select(query: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, n: int, k: int,
-                 page_size: int) -> torch.Tensor:  # fmt: skip
-    """Quest's selection: pages by their upper-bound score, then their tokens, ``k`` per KV head.
-
-    A page's score for query head ``h`` is ``sum_d max(q_d * min_d, q_d * max_d)`` (an upper
-    bound of ``q . k`` over the page, Quest eq. 1); a KV head takes the max over its GQA group.
-
-    Args:
-        query: ``[num_q_heads, head_dim]``.
-        mins, maxs: ``[n_pages, num_kv_heads, head_dim]`` (:func:`quest_page_summaries`).
-        n: number of candidates (``k < n``).
-        k: tokens per KV head.
-        page_size: tokens per page.
-
-    Returns:
-        ``[num_kv_heads, k]`` int64 candidate indices: the best pages' tokens, page by page.
-    """
-    hq, d = query.shape
-    n_pages, hkv, _ = mins.shape
-    qg = query.float().view(hkv, hq // hkv, 1, d)
-    lo = mins.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, P, D]
-    hi = maxs.float().permute(1, 0, 2).unsqueeze(1)
-    score = torch.maximum(qg * lo, qg * hi).sum(-1).amax(dim=1)  # [Hkv, P]
-    order = score.argsort(dim=1, descending=True)
-    tok = (order.unsqueeze(-1) * page_size + torch.arange(page_size, device=order.device)).reshape(hkv, -1)
-    return tok[tok < n].view(hkv, n)[:, :k]
+    def score(self, q, rows, host_k, k, scale, index, layer):
+        n_blocks = rows.blocks.shape[1]
+        m = min(n_blocks, -(-(int(self.rerank * k) + rows.holes) // BLOCK_TOKENS))
+        if m == n_blocks:
+            chosen = all_blocks(rows, host_k.shape[1])
+        else:
+            chosen = block_scores(q, rows, index, layer, scale).topk(m, dim=-1).indices
+        pos, slots, ok = block_tokens(rows, chosen)
+        return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
 
 
 class QuestDeviceSelector(Selector):
-    """Quest (current query, page min/max key summaries kept on the device): the device-state baseline.
+    """Quest (current query, block min/max summaries kept on the device): the device-state baseline.
 
-    Per request and layer the backend keeps :func:`quest_page_summaries` of the
-    candidate keys on the device and extends them as pages are flushed to the
-    host tier; at attention time the current query picks pages with
-    :func:`quest_select` and their tokens are gathered synchronously (no
-    lookahead). Device-resident auxiliary bytes per request and layer:
-    ``2 x n_pages x num_kv_heads x head_dim x dtype`` (Quest's "6.25% of KV" at
-    page 16 for K only; here ``2 / page_size`` of the K bytes), reported by
-    :meth:`device_aux_bytes` from the summaries actually held.
+    The best ``ceil((k + holes) / 16)`` blocks by their bound give the set: their candidate
+    tokens, best block first, no key read. Device bytes: the index, 1/16 of the host tier's
+    bytes (Quest's "6.25% of KV" counts K only; this holds min and max).
     """
 
     name = "quest_device"
-    lookahead = False
+    index_location = "device"
 
-    #: Quest's page size (tokens per summary), the paper's default.
-    PAGE_SIZE = 16
-
-    def __init__(self, page_size: int = PAGE_SIZE):
-        self.page_size = page_size
-        self.held_bytes = 0
-
-    def _rank(self, query: torch.Tensor, keys: torch.Tensor, k: int, scale: float) -> torch.Tensor:
-        """Every candidate when ``n <= k``; else :func:`quest_select` over summaries built on the fly
-        (the backend keeps them per request instead)."""
-        n, hkv, _ = keys.shape
-        if n <= k:
-            return torch.arange(n).expand(hkv, n)
-        mins, maxs = quest_page_summaries(keys, self.page_size)
-        return quest_select(query, mins, maxs, n, k, self.page_size)
-
-    def device_aux_bytes(self) -> int:
-        return self.held_bytes
+    def score(self, q, rows, host_k, k, scale, index, layer):
+        n_blocks = rows.blocks.shape[1]
+        m = min(n_blocks, -(-(k + rows.holes) // BLOCK_TOKENS))
+        bscore = block_scores(q, rows, index, layer, scale)
+        chosen = bscore.topk(m, dim=-1).indices
+        pos, slots, ok = block_tokens(rows, chosen)
+        score = bscore.gather(-1, chosen).repeat_interleave(BLOCK_TOKENS, dim=-1)
+        return pos, slots, score.masked_fill(~ok, float("-inf"))
 
 
-#: Selectors by preset name.
+#: Selector classes by preset name.
 SELECTORS: dict[str, type[Selector]] = {
-    s.name: s for s in (OracleSelector, SpecHostSelector, QuestDeviceSelector, RecencySelector)
+    s.name: s
+    for s in (SpecHostSelector, SpecHostExactSelector, OracleSelector, RecencySelector, QuestDeviceSelector)
 }
 
 
-def make_selector(name: str) -> Selector:
-    """Instantiate a selector by name.
+def make_selector(name: str, rerank: float = 4.0) -> Selector:
+    """Instantiate a selector by name (``rerank`` applies to ``spec_host``).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    try:
-        return SELECTORS[name]()
-    except KeyError:
-        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}") from None
+    cls = SELECTORS.get(name)
+    if cls is None:
+        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
+    return cls(rerank) if cls is SpecHostSelector else cls()

@@ -15,6 +15,7 @@ The server (:func:`rel_server`, package scope) is the CPU preset with:
 * a host tier of :data:`GROWTH_PROMPT` 's pages + 2 (``sparse.host_tier_bytes``),
   so one request's decode growth fills it;
 * ``prefetch.hit_rate_sample`` 1 (every step feeds the prefetch series);
+* the dense server's dtype (outputs are compared token for token with it);
 * a device pool of 4,096 tokens and SGLang's ``--api-key`` (the sidecar's
   ``/stats`` must honour it), ``--enable-cache-report`` for cached-token counts.
 """
@@ -27,7 +28,7 @@ import yaml
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, ServerProcess, start_server
 
-from .geometry import API_KEY, BYTES_PER_TOKEN, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages
+from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token
 
 
 @pytest.fixture(scope="package")
@@ -39,13 +40,19 @@ def growth_prompt(tokenizer) -> tuple[str, list[int]]:
 
 
 @pytest.fixture(scope="package")
-def host_usable_bytes(growth_prompt) -> int:
-    """Usable host-tier bytes: the growth prompt's pages plus two (the padding page excluded)."""
-    return (host_pages(len(growth_prompt[1])) + 2) * PAGE * BYTES_PER_TOKEN
+def bytes_per_token(server) -> int:
+    """KV bytes per token in the dtype of the session's dense server, which the reliability server shares."""
+    return kv_bytes_per_token(server.kv_itemsize)
 
 
 @pytest.fixture(scope="package")
-def rel_server(model_path, host_usable_bytes, tmp_path_factory) -> ServerProcess:
+def host_usable_bytes(growth_prompt, bytes_per_token) -> int:
+    """Usable host-tier bytes: the growth prompt's pages plus two (the padding page excluded)."""
+    return (host_pages(len(growth_prompt[1])) + 2) * PAGE * bytes_per_token
+
+
+@pytest.fixture(scope="package")
+def rel_server(model_path, server, host_usable_bytes, bytes_per_token, tmp_path_factory) -> ServerProcess:
     tmp = tmp_path_factory.mktemp("rel_server")
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["name"] = "reliability"
@@ -53,12 +60,12 @@ def rel_server(model_path, host_usable_bytes, tmp_path_factory) -> ServerProcess
         n_sink=N_SINK,
         n_recent=N_RECENT,
         page_size=PAGE,
-        host_tier_bytes=host_usable_bytes + PAGE * BYTES_PER_TOKEN,  # + SGLang's padding page
+        host_tier_bytes=host_usable_bytes + PAGE * bytes_per_token,  # + SGLang's padding page
     )
     preset["prefetch"]["hit_rate_sample"] = 1.0
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
-            "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
+            "--dtype", server.dtype, "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
     try:
         srv = start_server(tmp / "server.log", CAP, args, timeout=900, api_key=API_KEY)
     except RuntimeError as err:

@@ -17,7 +17,7 @@ import pytest
 from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
 
-from .geometry import BYTES_PER_TOKEN, N_LAYERS, PAGE, RESIDENT_BOUND, host_pages
+from .geometry import N_LAYERS, PAGE, RESIDENT_BOUND, host_pages
 
 pytestmark = pytest.mark.server
 FULL = {"dd_top_k": 8192}  # a critical set covering the whole context: sparse must equal dense
@@ -142,7 +142,9 @@ def test_aborts_between_prefill_chunks_leave_no_corrupt_prefix(rel_server, serve
     assert_idle_baseline(rel_server)
 
 
-def test_generated_tokens_come_back_from_the_host_tier_equal_to_dense(rel_server, server, tokenizer):
+def test_generated_tokens_come_back_from_the_host_tier_equal_to_dense(
+    rel_server, server, tokenizer, bytes_per_token
+):
     """96 tokens after a ~1,050-token prompt, window 32 + page 16: from token ~48 on, the first
     generated tokens live only in the host tier (mid-stream the request holds <= 52 device slots while
     its context is prompt + 80) and are gathered from there each step; with top_k covering the
@@ -168,12 +170,14 @@ def test_generated_tokens_come_back_from_the_host_tier_equal_to_dense(rel_server
     # Context >= n + 80, device slots <= 4 + 32 + 16: positions n .. n + 80 - 52 are generated tokens
     # that are not on the device; the host tier holds them (pages past the prompt's).
     assert mid["dd_sparse_request_device_tokens_max"] <= RESIDENT_BOUND
-    assert mid["dd_host_tier_used_bytes"] >= host_pages(n + 80 - RESIDENT_BOUND) * PAGE * BYTES_PER_TOKEN
+    assert mid["dd_host_tier_used_bytes"] >= host_pages(n + 80 - RESIDENT_BOUND) * PAGE * bytes_per_token
     after = scrape(rel_server.metrics_url)
     assert delta(after, before, "dd_sparse_decode_rows_total") == 95 * N_LAYERS
 
 
-def test_decode_growth_past_the_host_tier(rel_server, server, tokenizer, growth_prompt, host_usable_bytes):
+def test_decode_growth_past_the_host_tier(
+    rel_server, server, tokenizer, growth_prompt, host_usable_bytes, bytes_per_token
+):
     """The host tier holds the growth prompt's pages + 2. Its request decodes 80 tokens: two more
     pages fill the tier, then its window cannot slide and it keeps its growth on the device. A second
     long request arriving then is refused by the host tier and runs densely. No 5xx, the tier never
@@ -184,7 +188,7 @@ def test_decode_growth_past_the_host_tier(rel_server, server, tokenizer, growth_
     assert n2 >= 1024
     before = flush_when_idle(rel_server)
     capacity = before["dd_host_tier_capacity_bytes"]
-    assert capacity == host_usable_bytes + PAGE * BYTES_PER_TOKEN
+    assert capacity == host_usable_bytes + PAGE * bytes_per_token
     results: list = [None, None]
 
     def run(i, ids, n):

@@ -1,0 +1,179 @@
+"""Decode step time, dense vs the sparse default, split by phase (CPU), at batch 1 and 8, 4k and 7.9k contexts.
+
+Usage::
+
+    python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
+                                 [--batches 1,8] [--new-tokens 32]
+
+One run, two servers with room for every request densely (``--max-total-tokens``
+``--pool-tokens``): SGLang's own dense path (``torch_native``) and
+``dualdecoder`` with the default preset. On the ``dualdecoder`` server each
+cell runs twice, side by side: ``dd_sparse: false`` (the same dense path through
+the ``dualdecoder`` wrapper, so its phases are timed) and the sparse default
+(``spec_host`` + ``dual_token``, ``top_k`` 256). A cell is ``batch`` distinct
+passkey prompts of ~``context`` tokens sent at once, greedy, ``--new-tokens``
+each (``ignore_eos``).
+
+Per cell and configuration: passkeys found; decode tokens/s (streamed tokens
+after each request's first, over the time from the first first-token to the
+last token); and, from the server's counters over the cell (``dd_decode_steps_total``,
+``dd_decode_step_seconds_total``, ``dd_step_phase_seconds_total``,
+``dd_transfer_*``), the mean decode step split into ``plan`` (building the
+step plan), ``select`` (choosing critical sets on the forward thread: cold
+starts, synchronous selectors, repairs), ``assemble`` (resident gather and
+attention inputs), ``exposed_wait`` (waiting for the layer copies; with
+``prefetch.transfer`` inline, the copies themselves), ``attention`` (dense and
+sparse attention calls) and ``rest`` (the rest of the model: projections,
+MLP, norms, logits, and SGLang's per-step work inside the forward). Work off
+the forward thread is reported beside it: ``select_ahead`` (next-step
+selection on the select worker) and ``copy`` (the copy worker's gathers).
+Ratios are sparse over dense measured in this run; absolute times on a shared
+CPU are noise. Nothing here is a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.prompts import passkey_prompt
+from bench.server import scrape, start_server
+
+PHASES = ("plan", "select", "assemble", "attention")
+
+
+def run_batch(url: str, prompts: list[tuple[str, int], ], new_tokens: int, custom: dict | None) -> dict:
+    """Send every prompt at once (streamed, greedy); passkeys found and decode tokens/s."""
+    results: list[dict] = [{} for _ in prompts]
+
+    def one(i: int, prompt: str, key: int) -> None:
+        body = {"model": "x", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        if custom:
+            body["custom_params"] = custom
+        times, text = [], ""
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        results[i] = {"times": times, "found": bool(re.match(rf"\s*{key}\b", text)), "answer": text[:24]}
+
+    threads = [threading.Thread(target=one, args=(i, p, k)) for i, (p, k) in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = min(r["times"][0] for r in results)
+    last = max(r["times"][-1] for r in results)
+    decoded = sum(len(r["times"]) - 1 for r in results)
+    return {
+        "found": sum(r["found"] for r in results),
+        "total": len(results),
+        "decode_tokens_per_second": decoded / (last - first),
+        "answers": [r["answer"] for r in results],
+    }
+
+
+def _d(after: dict, before: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def breakdown(before: dict, after: dict, kind: str) -> dict:
+    """Mean per-step seconds by phase between two scrapes of a dualdecoder server."""
+    steps = _d(after, before, f'dd_decode_steps_total{{kind="{kind}"}}')
+    if steps <= 0:
+        return {"steps": 0}
+    step = _d(after, before, f'dd_decode_step_seconds_total{{kind="{kind}"}}') / steps
+    out = {"steps": int(steps), "step": step}
+    for p in PHASES:
+        out[p] = _d(after, before, f'dd_step_phase_seconds_total{{phase="{p}"}}') / steps
+    out["exposed_wait"] = _d(after, before, "dd_transfer_wait_seconds_sum") / steps
+    out["rest"] = step - sum(out[p] for p in PHASES) - out["exposed_wait"]
+    out["select_ahead"] = _d(after, before, 'dd_step_phase_seconds_total{phase="select_ahead"}') / steps
+    out["copy"] = _d(after, before, "dd_transfer_copy_seconds_sum") / steps
+    out["transfer_bytes"] = _d(after, before, "dd_transfer_bytes_total") / steps
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_speed", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results/decode_speed_cpu.json")
+    ap.add_argument("--contexts", default="4000,7900")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from dd_sglang.models.smollm2 import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    cells = []
+    for b in batches:
+        for c in contexts:
+            prompts = []
+            for i in range(b):
+                key = 10000 + (7919 * (i + 1) + c) % 90000
+                p, _ = passkey_prompt(tok, c + 200, (i + 0.5) / b, key, header=f"Speed {c} {b} {i}. ")
+                prompts.append((p, key))
+            cells.append({"context": c, "batch": b, "prompts": prompts})
+    tmp = Path(tempfile.mkdtemp(prefix="dd_speed_"))
+    results = {f"{c['context']}x{c['batch']}": {"context": c["context"], "batch": c["batch"]} for c in cells}
+    for backend in ("torch_native", "dualdecoder"):
+        srv = start_server(tmp / f"{backend}.log", args.pool_tokens, ["--attention-backend", backend], timeout=900)
+        try:
+            for c in cells:
+                res = results[f"{c['context']}x{c['batch']}"]
+                if backend == "torch_native":
+                    res["sglang_dense"] = run_batch(srv.url, c["prompts"], args.new_tokens, None)
+                    continue
+                for name, custom, kind in (("dense", {"dd_sparse": False}, "dense"), ("sparse", {}, "sparse")):
+                    before = scrape(srv.metrics_url)
+                    r = run_batch(srv.url, c["prompts"], args.new_tokens, custom)
+                    time.sleep(0.5)
+                    r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
+                    res[f"dualdecoder_{name}"] = r
+                res["sparse_over_sglang_dense"] = (
+                    res["dualdecoder_sparse"]["decode_tokens_per_second"]
+                    / res["sglang_dense"]["decode_tokens_per_second"]
+                )
+                res["sparse_over_dense_same_server"] = (
+                    res["dualdecoder_sparse"]["decode_tokens_per_second"]
+                    / res["dualdecoder_dense"]["decode_tokens_per_second"]
+                )
+        finally:
+            srv.stop()
+    result = {
+        "benchmark": "decode step time by phase, dense vs sparse default (CPU)",
+        "command": "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "dtype": srv.dtype,
+        "new_tokens": args.new_tokens,
+        "cells": list(results.values()),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for r in results.values():
+        print(f"{r['context']} x {r['batch']}: sparse/sglang-dense {r['sparse_over_sglang_dense']:.2f}x, "
+              f"sparse/dense same server {r['sparse_over_dense_same_server']:.2f}x, passkeys "
+              f"{r['dualdecoder_sparse']['found']}/{r['batch']} sparse, {r['sglang_dense']['found']}/{r['batch']} dense")  # fmt: skip
+    print(f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

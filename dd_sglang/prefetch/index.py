@@ -1,0 +1,234 @@
+"""Key-block index of the host tier, and the batched scoring every selector uses.
+
+**Index.** :class:`KeyBlockIndex` keeps, per layer, the element-wise min and
+max of the keys of every block of :data:`BLOCK_TOKENS` consecutive host-tier
+slots (Quest's page summaries: Tang et al., "Quest", ICML 2024, section 3),
+``shape: [num_layers, num_blocks, num_kv_heads, head_dim]`` each, in the host
+tier's dtype. The host tier allocates whole pages of ``sparse.page_size``
+contiguous slots (a multiple of the block size), so block ``b`` is slots
+``[16 b, 16 b + 16)`` and holds 16 consecutive positions of one request. A
+request's blocks are summarised when its KV reaches the host tier (offload,
+then each page flush): :meth:`KeyBlockIndex.update`. Where it lives decides
+what it costs: in host memory (``spec_host``) it is host bytes and no device
+state; on the device (``quest_device``) it is auxiliary device state.
+Bytes: ``2 x num_layers x (host_slots / 16) x num_kv_heads x head_dim x
+itemsize`` = 1/16 of the host tier's bytes.
+
+**Scoring primitives** (one layer, every row of a step at once), which the
+selectors (:mod:`dd_sglang.prefetch.selectors`) combine. A KV head's score for a token is the **max over its query heads** (GQA group)
+of the softmax probability of that token, the softmax running over the
+row's candidate tokens that are scored (DESIGN.md, "Measuring the prefetch
+hit rate honestly"): :func:`token_log_scores`. A block's bound for a query is
+the upper bound of ``q . k`` over the block (``sum_d max(q_d min_d, q_d
+max_d)``, Quest eq. 1): :func:`block_scores` turns it into a log-probability
+bound per query head and takes the max over the GQA group.
+
+Candidates are a row's host-tier positions outside its resident set:
+``[n_sink, min(win_start, host_len))`` minus its ``n_keep`` kept positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: Tokens summarised by one index entry (Quest's default page size).
+BLOCK_TOKENS = 16
+
+
+class KeyBlockIndex:
+    """Min/max key summaries of every 16-slot block of a host tier (module docstring).
+
+    Args:
+        host_k: the host tier's keys, ``shape: [num_layers, host_slots, num_kv_heads, head_dim]``
+            (``HostSparseKVPool.k``); ``host_slots`` a multiple of :data:`BLOCK_TOKENS`.
+        device: where the summaries live (``"cpu"``: host memory).
+
+    Raises:
+        ValueError: ``host_slots`` is not a multiple of :data:`BLOCK_TOKENS`.
+    """
+
+    def __init__(self, host_k: torch.Tensor, device: torch.device | str = "cpu"):
+        n_layers, slots, hkv, d = host_k.shape
+        if slots % BLOCK_TOKENS:
+            raise ValueError(f"host tier slots ({slots}) must be a multiple of {BLOCK_TOKENS}")
+        self.host_k = host_k
+        self.device = torch.device(device)
+        shape = (n_layers, slots // BLOCK_TOKENS, hkv, d)
+        self.mins = torch.zeros(shape, dtype=host_k.dtype, device=self.device)
+        self.maxs = torch.zeros(shape, dtype=host_k.dtype, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the summaries (both tensors, every layer)."""
+        return self.mins.nbytes + self.maxs.nbytes
+
+    def update(self, host_slots: torch.Tensor, start: int, end: int) -> None:
+        """Summarise positions ``[start, end)`` of one request, every layer.
+
+        Whole blocks are recomputed (the block holding ``start`` may have been summarised
+        partially before); a last partial block is summarised over its valid positions.
+
+        Args:
+            host_slots: ``[>= end]`` int64, the request's host slot per position.
+            start, end: positions, ``0 <= start < end``.
+
+        Raises:
+            ValueError: the positions' slots are not whole contiguous aligned blocks (the host
+                tier's page layout guarantees they are).
+        """
+        b = BLOCK_TOKENS
+        first = start // b
+        pos = torch.arange(first * b, -(-end // b) * b).clamp_(max=end - 1)
+        slots = host_slots[pos].view(-1, b)
+        base = host_slots[pos[::b]]
+        full = pos.view(-1, b)[:, -1] < end - 1  # blocks without a clamped (repeated) position
+        expect = base.unsqueeze(1) + torch.arange(b)
+        if base.remainder(b).any() or not torch.equal(slots[full], expect[full]):
+            raise ValueError("host slots are not contiguous 16-aligned blocks; the block index needs them")
+        keys = self.host_k[:, slots.flatten()]  # [L, n, Hkv, D]
+        keys = keys.view(keys.shape[0], -1, b, *keys.shape[2:])
+        blocks = (base // b).to(self.device)
+        self.mins[:, blocks] = keys.amin(dim=2).to(self.device)
+        self.maxs[:, blocks] = keys.amax(dim=2).to(self.device)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """The candidate blocks of a step's rows (built once per step; :func:`row_blocks`).
+
+    Attributes:
+        blocks: ``[rows, B]`` int64 index entries (host block ids), padded with 0.
+        pos0: ``[rows, B]`` int64 first position of each block.
+        valid: ``[rows, B]`` bool, the block holds at least one candidate.
+        cand: ``[rows, P]`` bool, position ``p`` of the row is a candidate (``P`` = longest row).
+        n_valid: ``[rows]`` int64 candidate blocks per row.
+        holes: most non-candidate positions inside one row's candidate blocks (sinks, kept
+            tokens, the block the window starts in): ``m`` blocks always hold at least
+            ``16 m - holes`` candidates.
+    """
+
+    blocks: torch.Tensor
+    pos0: torch.Tensor
+    valid: torch.Tensor
+    cand: torch.Tensor
+    n_valid: torch.Tensor
+    holes: int
+
+    def take(self, rows: torch.Tensor) -> RowBlocks:
+        """The same for a subset of rows (``[n]`` int64 row indices)."""
+        t = (self.blocks, self.pos0, self.valid, self.cand, self.n_valid)
+        return RowBlocks(*(x[rows] for x in t), self.holes)
+
+
+def row_blocks(host_slots: list[torch.Tensor], lo: list[int], hi: list[int], keep: list[torch.Tensor]) -> RowBlocks:
+    """Per row: its candidate blocks and positions.
+
+    Args:
+        host_slots: per row ``[>= hi]`` int64 host slot per position.
+        lo, hi: per row, candidates are positions in ``[lo, hi)`` ...
+        keep: ... except these (``[n]`` int64, the kept resident positions).
+    """
+    b = BLOCK_TOKENS
+    n = len(host_slots)
+    nb = [-(-h // b) for h in hi]
+    bmax, pmax = max(max(nb), 1), max(max(nb), 1) * b
+    blocks = torch.zeros(n, bmax, dtype=torch.int64)
+    cand = torch.zeros(n, pmax, dtype=torch.bool)
+    for r in range(n):  # once per step, not per layer
+        blocks[r, : nb[r]] = host_slots[r][: nb[r] * b : b] // b
+        cand[r, lo[r] : hi[r]] = True
+        if keep[r].numel():
+            cand[r, keep[r][keep[r] < pmax]] = False
+    valid = cand.view(n, bmax, b).any(dim=2)
+    pos0 = torch.arange(bmax).mul_(b).expand(n, bmax).contiguous()
+    n_valid = valid.sum(dim=1)
+    holes = int((n_valid * b - cand.sum(dim=1)).max()) if n else 0
+    return RowBlocks(blocks, pos0, valid, cand, n_valid, holes)
+
+
+def block_bounds(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of ``q . k`` over each block: ``q+ . max + q- . min`` (Quest eq. 1).
+
+    Args:
+        q: ``[rows, num_kv_heads, group, head_dim]`` float32.
+        mins, maxs: ``[rows, blocks, num_kv_heads, head_dim]`` block summaries.
+
+    Returns:
+        ``[rows, num_kv_heads, group, blocks]`` float32.
+    """
+    return torch.einsum("rhgd,rbhd->rhgb", q.clamp(min=0), maxs.float()) + torch.einsum(
+        "rhgd,rbhd->rhgb", q.clamp(max=0), mins.float()
+    )
+
+
+def block_scores(q: torch.Tensor, rows: RowBlocks, index: KeyBlockIndex, layer: int, scale: float) -> torch.Tensor:
+    """Per KV head, each block's bound as a log-probability bound, maxed over the GQA group.
+
+    Per query head, ``bound - logsumexp_b(bound_b + log 16)``: the block's scaled bound less an
+    estimate of the head's softmax normaliser (every block standing for 16 tokens at its bound),
+    so blocks compare across the group's heads as the token scores do (max over the group of
+    softmax probabilities).
+
+    ``q``: ``[rows, num_q_heads, head_dim]``. Returns ``[rows, num_kv_heads, blocks]`` float32,
+    ``-inf`` for blocks without candidates.
+    """
+    blocks = rows.blocks.to(index.device)
+    mins, maxs = index.mins[layer][blocks], index.maxs[layer][blocks]  # [R, B, Hkv, D]
+    r, hq, d = q.shape
+    hkv = mins.shape[2]
+    ub = block_bounds(q.to(index.device).float().view(r, hkv, hq // hkv, d), mins, maxs) * scale
+    ub = ub.masked_fill(~rows.valid.to(ub.device)[:, None, None, :], float("-inf"))
+    # A log-softmax bound per query head: each block stands for up to 16 tokens at its bound, so
+    # the head's normaliser is about logsumexp(bound + log 16). A head whose attention is spread
+    # thin then scores every block low; one that concentrates scores its blocks high.
+    ub = ub - torch.logsumexp(ub + math.log(BLOCK_TOKENS), dim=-1, keepdim=True)
+    return ub.amax(dim=2).cpu()
+
+
+def block_tokens(rows: RowBlocks, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions, host slots and candidate flags of the tokens of chosen blocks.
+
+    ``chosen``: ``[rows, num_kv_heads, m]`` int64 block indices (into ``rows.blocks``). Returns three
+    ``[rows, num_kv_heads, m x 16]`` tensors (int64, int64, bool).
+    """
+    r, hkv, m = chosen.shape
+    b = BLOCK_TOKENS
+    flat = chosen.reshape(r, -1)
+    off = torch.arange(b)
+    pos = (rows.pos0.gather(1, flat).view(r, hkv, m, 1) + off).view(r, hkv, m * b)
+    slots = (rows.blocks.gather(1, flat).view(r, hkv, m, 1) * b + off).view(r, hkv, m * b)
+    ok = rows.cand.gather(1, pos.view(r, -1)).view(r, hkv, m * b)
+    return pos, slots, ok
+
+
+def token_log_scores(
+    q: torch.Tensor, host_k: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact GQA scores of the given tokens: log of the max over each KV head's query heads of the
+    softmax probability (softmax over the row's ``ok`` tokens).
+
+    Args:
+        q: ``[rows, num_q_heads, head_dim]``.
+        host_k: one layer's host keys, ``[host_slots, num_kv_heads, head_dim]``.
+        slots, ok: ``[rows, num_kv_heads, n]`` host slots to score and which are candidates.
+
+    Returns:
+        ``[rows, num_kv_heads, n]`` float32 log-probabilities, ``-inf`` where not ``ok``.
+    """
+    r, hkv, n = slots.shape
+    hq, d = q.shape[1], q.shape[2]
+    rows_idx = (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()
+    keys = host_k.reshape(-1, d).index_select(0, rows_idx).view(r, hkv, n, d)
+    qg = q.float().view(r, hkv, hq // hkv, d)
+    logits = torch.einsum("rhgd,rhnd->rhgn", qg, keys.float()) * scale
+    logits = logits.masked_fill(~ok[:, :, None, :], float("-inf"))
+    return logits.log_softmax(dim=-1).amax(dim=2)
+
+
+def all_blocks(rows: RowBlocks, num_kv_heads: int) -> torch.Tensor:
+    """``[rows, num_kv_heads, B]``: every block, in position order (exact scoring)."""
+    n, nb = rows.blocks.shape
+    return torch.arange(nb).expand(n, num_kv_heads, nb)

@@ -1,0 +1,432 @@
+"""The sparse decode step's plan: built once per step, read by every layer.
+
+:func:`build_step_plan` runs in the attention backend's
+``init_forward_metadata`` (SGLang's per-step seam) and returns one immutable
+:class:`StepPlan`, which travels on the forward batch (``forward_batch.dd_plan``).
+Everything that needs Python, host syncs or per-request lookups happens here,
+once; the per-layer path (:mod:`dd_sglang.prefetch.runner`) only indexes
+tensors. Building a plan:
+
+1. **Rows.** Each decode row whose request is ``DECODE_SPARSE`` is a sparse
+   row. Its resident positions (sinks, kept tokens, window) become device slots
+   ``res_slots`` (padded, masked); its candidates (host-tier positions outside
+   the resident set) become :class:`~dd_sglang.prefetch.index.RowBlocks`.
+2. **Speculation.** Rows whose selector reads a speculated query verify last
+   step's speculated token against the real one, then ask their speculator
+   for the next; each proposal is appended to ``forward_batch.input_ids`` /
+   ``positions`` as a second query position of its row (``batch_size`` is
+   unchanged; the logits hook cuts those rows, reading the plan from the batch).
+3. **Where each row's critical set comes from**, rows ordered in three runs:
+
+   * *ahead* ``[0, n_ahead)``: a lookahead selector fixed its sets during the
+     previous step (:class:`NextSets`); the transfer schedule copies them
+     layer by layer before attention needs them.
+   * *full* ``[n_ahead, n_fixed)``: at most ``k`` candidates: the set is every
+     candidate, the same for every layer (also copied ahead). With ``top_k`` at
+     least the context, the sparse step attends to the whole context.
+   * *sync* ``[n_fixed, rows)``: chosen at attention time from the current
+     query: ``oracle``, ``quest_device``, and a lookahead row's first sparse
+     step (a *cold* start).
+
+4. **Attention layout.** Per row, columns ``[0, n_res)`` hold the resident
+   set, ``[n_res, n_res + k)`` the critical set, then ``repair`` columns (rows
+   repairing a miss) and one column for the speculated token's own K/V. The
+   mask ``[rows, 2, columns]`` says which columns each of the two queries (real,
+   speculated) reads.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dd_sglang.prefetch.index import RowBlocks, row_blocks
+from dd_sglang.prefetch.selectors import Selector
+from dd_sglang.prefetch.speculators import SpecState, Speculator, verify
+
+
+@dataclass
+class RequestPrediction:
+    """The prefetch layer's state of one sparse request (dropped by :meth:`PredictionStore.release`).
+
+    Attributes:
+        spec: the speculator's state.
+        indexed: positions of the request summarised in the block index, by location
+            (``"host"``, ``"device"``).
+    """
+
+    spec: SpecState = field(default_factory=SpecState)
+    indexed: dict = field(default_factory=dict)
+
+
+@dataclass
+class NextSets:
+    """Critical sets chosen during a step for the next one (lookahead rows), filled layer by layer.
+
+    ``rids``: the rows' request ids in selection order; ``pos[layer]`` / ``slots[layer]``:
+    ``[len(rids), num_kv_heads, k]`` int64 positions and host slots (``k``: the largest
+    ``top_k`` among the rows; columns past a row's own are padding).
+    """
+
+    rids: tuple[str, ...] = ()
+    k: int = 1
+    pos: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def put(self, layer: int, dest: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the sets of rows ``dest`` (``[n]`` int64 indices into :attr:`rids`) for ``layer``."""
+        if layer not in self.pos:
+            shape = (len(self.rids), pos.shape[1], self.k)
+            self.pos[layer] = torch.zeros(shape, dtype=torch.int64)
+            self.slots[layer] = torch.zeros(shape, dtype=torch.int64)
+        w = pos.shape[2]
+        self.pos[layer][dest, :, :w] = pos
+        self.slots[layer][dest, :, :w] = slots
+
+
+class PredictionStore:
+    """Per-request prediction state, and the sets chosen for the next step.
+
+    :meth:`release` is registered with the KV-cache runtime as a release callback: a request's
+    state leaves with it.
+    """
+
+    def __init__(self):
+        self.requests: dict[str, RequestPrediction] = {}
+        self.next_sets = NextSets()
+
+    def get(self, rid: str) -> RequestPrediction:
+        """The request's state, created on first use."""
+        st = self.requests.get(rid)
+        if st is None:
+            st = self.requests[rid] = RequestPrediction()
+        return st
+
+    def release(self, rid: str) -> None:
+        """Forget a request (it finished, was aborted or retracted)."""
+        self.requests.pop(rid, None)
+
+
+@dataclass(frozen=True)
+class SelectionGroup:
+    """Rows that one selector serves at once.
+
+    ``rows``: ``[n]`` int64 plan rows; ``query``: ``[n]`` int64 token indices of the queries
+    that drive the selection (a speculated position or the real one); ``blocks``: their
+    :class:`RowBlocks`; ``k``: the largest ``top_k`` among them (columns past a row's own
+    ``top_k`` are masked); ``dest``: for next-step selections, the rows' indices in
+    :attr:`NextSets.rids`.
+    """
+
+    selector: Selector
+    rows: torch.Tensor
+    query: torch.Tensor
+    blocks: RowBlocks
+    k: int
+    dest: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One sparse decode step (module docstring). Tensors on the CPU unless said otherwise.
+
+    Attributes:
+        rows: ``[R]`` int64 batch rows of the sparse requests, in plan order.
+        rids: their request ids.
+        batch_size: the batch's real rows (speculated positions follow them).
+        n_ahead, n_fixed: plan rows ``[0, n_ahead)`` have sets chosen last step, ``[n_ahead,
+            n_fixed)`` take every candidate, ``[n_fixed, R)`` select at attention time.
+        fixed_pos, fixed_slots: per host layer, ``[n_fixed, Hkv, k]`` int64 positions / host
+            slots of the fixed rows' critical sets (padding points at slot 0, masked).
+        sync: selections at attention time (groups of rows ``[n_fixed, R)``).
+        ahead: selections of the next step's sets, made after each layer's attention.
+        blocks: every row's candidate blocks.
+        k: critical-set columns (the largest ``top_k``).
+        n_res: resident columns; ``res_slots``: ``[R, n_res]`` int64 device slots (device).
+        repair_rows: ``[n]`` int64 plan rows that repair a miss; ``repair_budget`` columns each.
+        qidx: ``[R, 2]`` int64 token index of each row's real and speculated query (the real
+            one again where none rides), device.
+        spec_rows, spec_tokens: ``[S]`` int64 plan rows with a speculated position and that
+            position's token index (device).
+        spec_states: the :class:`SpecState` of each speculated position, in token order.
+        mask: ``[R, 2, columns]`` bool (device): columns each row's real / speculated query reads.
+        top_k: ``[R]`` int64 each row's critical-set budget.
+        sampled: ``[n]`` int64 ahead rows whose prefetch hit rate this step measures.
+        rejected: per plan row, its speculated token was rejected this step.
+        labels: per plan row, ``(selector, speculator)`` names for the metrics.
+        started: ``time.perf_counter()`` when planning began.
+    """
+
+    rows: torch.Tensor
+    rids: tuple[str, ...]
+    batch_size: int
+    n_ahead: int
+    n_fixed: int
+    fixed_pos: tuple[torch.Tensor, ...]
+    fixed_slots: tuple[torch.Tensor, ...]
+    sync: tuple[SelectionGroup, ...]
+    ahead: tuple[SelectionGroup, ...]
+    blocks: RowBlocks
+    k: int
+    n_res: int
+    res_slots: torch.Tensor
+    repair_rows: torch.Tensor
+    repair_budget: int
+    qidx: torch.Tensor
+    spec_rows: torch.Tensor
+    spec_tokens: torch.Tensor
+    spec_states: tuple[SpecState, ...]
+    mask: torch.Tensor
+    top_k: torch.Tensor
+    sampled: torch.Tensor
+    rejected: tuple[bool, ...]
+    labels: tuple[tuple[str, str], ...]
+    started: float
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.numel())
+
+    @property
+    def columns(self) -> int:
+        """Attention columns per row: resident, critical, repair, the speculated token's own."""
+        return self.n_res + self.k + self.repair_budget + 1
+
+
+@dataclass
+class _Row:
+    batch_row: int
+    st: object  # SparseRequest
+    pred: RequestPrediction
+    selector: Selector
+    dev_pos: torch.Tensor
+    cand: torch.Tensor
+    token: int = 0
+    position: int = 0
+    spec_token: int | None = None
+    rejected: bool = False
+    kind: str = "sync"  # ahead | full | sync
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What :func:`build_step_plan` reads besides the forward batch (wired once by the backend).
+
+    ``selectors`` / ``speculators``: instances by name; ``indexes``: block index by location
+    (``"host"``, ``"device"``), created on first use by ``make_index(location)``.
+    """
+
+    req_to_token: torch.Tensor
+    selectors: dict[str, Selector]
+    speculators: dict[str, Speculator]
+    store: PredictionStore
+    make_index: object  # Callable[[str], KeyBlockIndex]
+    miss_policy: str
+    repair_budget: int
+    hit_rate_sample: float
+    rng: random.Random
+
+
+def _history(st, token: int) -> list[int]:
+    """The request's token ids up to and including the current ``token``."""
+    req = st.req
+    ids = [] if req is None else list(req.origin_input_ids) + list(req.output_ids)
+    if not ids or ids[-1] != token:
+        ids.append(token)
+    return ids
+
+
+def _speculate(rows: list[_Row], inp: PlanInputs, on_verify) -> None:
+    for r in rows:
+        if not r.selector.uses_speculator:
+            continue
+        ok = verify(r.pred.spec, r.token)
+        if ok is not None:
+            on_verify(r.st.speculator, ok)
+        r.rejected = ok is False
+        tok = inp.speculators[r.st.speculator].propose(_history(r.st, r.token), r.pred.spec)
+        r.pred.spec.riding, r.pred.spec.argmax = tok, None
+        r.spec_token = tok
+
+
+def _update_indexes(rows: list[_Row], inp: PlanInputs, host_len) -> None:
+    """Summarise newly offloaded / flushed positions in the block index each selector reads."""
+    for r in rows:
+        loc = r.selector.index_location
+        if loc is None or r.kind == "full":
+            continue
+        done = r.pred.indexed.get(loc, 0)
+        n = host_len(r)
+        if n > done:
+            inp.make_index(loc).update(r.st.host_slots, done, n)
+            r.pred.indexed[loc] = n
+
+
+def _pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, t in enumerate(rows):
+        out[i, : t.numel()] = t
+    return out
+
+
+def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) -> StepPlan | None:
+    """Plan a decode step (module docstring); None when no row of ``fb`` decodes sparsely.
+
+    Args:
+        fb: SGLang's ``ForwardBatch`` (decode mode). Its ``input_ids`` / ``positions`` grow by
+            one entry per speculated position.
+        rt: the KV-cache runtime (``sparse_request(pool_idx)``, ``host``).
+        inp: :class:`PlanInputs`.
+        on_verify: ``(speculator, accepted)`` for every verified speculation (metrics).
+    """
+    started = time.perf_counter()
+    bs = fb.batch_size
+    pool_idx = fb.req_pool_indices.tolist()
+    seq_lens = fb.seq_lens.tolist()
+    sparse = [(i, rt.sparse_request(int(p))) for i, p in enumerate(pool_idx)]
+    sparse = [(i, st) for i, st in sparse if st is not None]
+    if not sparse:
+        return None
+    ids = fb.input_ids[:bs].tolist()
+    positions = fb.positions[:bs].tolist()
+    rows = []
+    for i, st in sparse:
+        rows.append(
+            _Row(i, st, inp.store.get(st.rid), inp.selectors[st.selector],
+                 st.device_positions(int(seq_lens[i])), st.host_candidates(),
+                 int(ids[i]), int(positions[i]))  # fmt: skip
+        )
+    _speculate(rows, inp, on_verify)
+    nxt = inp.store.next_sets
+    nxt_index = {rid: j for j, rid in enumerate(nxt.rids)}
+    n_layers = rt.host.layer_num
+    for r in rows:
+        if r.cand.numel() <= r.st.top_k:
+            r.kind = "full"
+        elif r.selector.lookahead and r.st.rid in nxt_index and len(nxt.pos) == n_layers:
+            r.kind = "ahead"
+    rows.sort(key=lambda r: ("ahead", "full", "sync").index(r.kind))
+    _update_indexes(rows, inp, lambda r: r.st.host_len)
+    n = len(rows)
+    n_ahead = sum(r.kind == "ahead" for r in rows)
+    n_fixed = n_ahead + sum(r.kind == "full" for r in rows)
+    k = max(r.st.top_k if r.kind != "full" else r.cand.numel() for r in rows)
+    k = max(k, 1)
+    hkv = rt.host.k.shape[2]
+    # Fixed rows' sets per layer: last step's selections (one gather per layer), then the full rows.
+    perm = torch.tensor([nxt_index[r.st.rid] for r in rows[:n_ahead]], dtype=torch.int64)
+    full = _pad_stack([r.cand for r in rows[n_ahead:n_fixed]], k)  # [n_full, k] positions
+    full_slots = _pad_stack([r.st.host_slots[r.cand] for r in rows[n_ahead:n_fixed]], k)
+    full_pos = full.unsqueeze(1).expand(-1, hkv, -1)
+    full_slots = full_slots.unsqueeze(1).expand(-1, hkv, -1)
+    fixed_pos, fixed_slots = [], []
+    for layer in range(n_layers):
+        if n_ahead:
+            p, s = nxt.pos[layer][perm], nxt.slots[layer][perm]
+            if p.shape[2] < k:
+                p = torch.nn.functional.pad(p, (0, k - p.shape[2]))
+                s = torch.nn.functional.pad(s, (0, k - s.shape[2]))
+            fixed_pos.append(torch.cat([p[..., :k], full_pos]))
+            fixed_slots.append(torch.cat([s[..., :k], full_slots]))
+        else:
+            fixed_pos.append(full_pos)
+            fixed_slots.append(full_slots)
+    blocks = row_blocks(
+        [r.st.host_slots for r in rows],
+        [_lo(r) for r in rows],
+        [min(r.st.win_start, r.st.host_len) for r in rows],
+        [r.st.keep_pos for r in rows],
+    )
+    # Speculated positions ride as extra tokens of the batch.
+    spec = [(j, r) for j, r in enumerate(rows) if r.spec_token is not None]
+    device = fb.input_ids.device
+    if spec:
+        fb.input_ids = torch.cat([fb.input_ids[:bs], torch.tensor([r.spec_token for _, r in spec],
+                                 dtype=fb.input_ids.dtype, device=device)])  # fmt: skip
+        fb.positions = torch.cat([fb.positions[:bs], torch.tensor([r.position + 1 for _, r in spec],
+                                 dtype=fb.positions.dtype, device=fb.positions.device)])  # fmt: skip
+    spec_tok = {j: bs + s for s, (j, _) in enumerate(spec)}
+    qidx = torch.tensor([[r.batch_row, spec_tok.get(j, r.batch_row)] for j, r in enumerate(rows)])
+    groups = _groups(rows, range(n_fixed, n), blocks, qidx, use_spec=False)
+    ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
+    ahead = _groups(rows, ahead_rows, blocks, qidx, use_spec=True)
+    # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
+    inp.store.next_sets = NextSets(
+        tuple(rows[j].st.rid for j in ahead_rows), max((rows[j].st.top_k for j in ahead_rows), default=1)
+    )
+    policy = [r.st.miss_policy or inp.miss_policy for r in rows]
+    repair = [j for j in range(n_ahead) if rows[j].rejected and policy[j] == "repair"]
+    budget = inp.repair_budget if repair else 0
+    n_res = max(int(r.dev_pos.numel()) for r in rows)
+    res_slots = _pad_stack(
+        [inp.req_to_token[int(pool_idx[r.batch_row])][r.dev_pos.to(inp.req_to_token.device)].long().cpu()
+         for r in rows], n_res)  # fmt: skip
+    mask = _mask(rows, n_res, k, budget, set(repair), spec_tok)
+    sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
+    return StepPlan(
+        rows=torch.tensor([r.batch_row for r in rows], dtype=torch.int64),
+        rids=tuple(r.st.rid for r in rows),
+        batch_size=bs,
+        n_ahead=n_ahead,
+        n_fixed=n_fixed,
+        fixed_pos=tuple(fixed_pos),
+        fixed_slots=tuple(fixed_slots),
+        sync=tuple(groups),
+        ahead=tuple(ahead),
+        blocks=blocks,
+        k=k,
+        n_res=n_res,
+        res_slots=res_slots.to(device),
+        repair_rows=torch.tensor(repair, dtype=torch.int64),
+        repair_budget=budget,
+        qidx=qidx.to(device),
+        spec_rows=torch.tensor([j for j, _ in spec], dtype=torch.int64, device=device),
+        spec_tokens=torch.tensor([spec_tok[j] for j, _ in spec], dtype=torch.int64, device=device),
+        spec_states=tuple(r.pred.spec for _, r in spec),
+        mask=mask.to(device),
+        top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
+        sampled=torch.tensor(sampled, dtype=torch.int64),
+        rejected=tuple(r.rejected for r in rows),
+        labels=tuple((r.selector.name, r.st.speculator if r.selector.uses_speculator else "none") for r in rows),
+        started=started,
+    )
+
+
+def _lo(r: _Row) -> int:
+    """First candidate position: past the sinks (``keep_pos`` starts with them)."""
+    return int(r.cand[0]) if r.cand.numel() else 0
+
+
+def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool) -> list:
+    """Group plan rows ``which`` by selector (one selection call per group and layer)."""
+    by_name: dict[str, list[int]] = {}
+    for j in which:
+        by_name.setdefault(rows[j].selector.name, []).append(j)
+    order = {j: i for i, j in enumerate(which)}
+    out = []
+    for js in by_name.values():
+        sel = rows[js[0]].selector
+        idx = torch.tensor(js, dtype=torch.int64)
+        q = qidx[idx, 1 if use_spec and sel.uses_speculator else 0]
+        dest = torch.tensor([order[j] for j in js], dtype=torch.int64)
+        out.append(SelectionGroup(sel, idx, q, blocks.take(idx), max(rows[j].st.top_k for j in js), dest))
+    return out
+
+
+def _mask(rows: list[_Row], n_res: int, k: int, budget: int, repair: set, spec_tok: dict) -> torch.Tensor:
+    """``[R, 2, columns]`` bool: resident, critical (row's own length), repair, own speculated column."""
+    n = len(rows)
+    cols = n_res + k + budget + 1
+    m = torch.zeros(n, 2, cols, dtype=torch.bool)
+    for j, r in enumerate(rows):
+        m[j, :, : r.dev_pos.numel()] = True
+        kk = r.cand.numel() if r.kind == "full" else r.st.top_k
+        m[j, :, n_res : n_res + kk] = True
+        if j in repair:
+            m[j, :, n_res + k : n_res + k + budget] = True
+        if j in spec_tok:
+            m[j, 1, cols - 1] = True
+    return m

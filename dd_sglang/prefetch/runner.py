@@ -1,0 +1,329 @@
+"""Runs a :class:`~dd_sglang.prefetch.plan.StepPlan` layer by layer.
+
+The attention backend calls, per decode step and layer::
+
+    plan = runner.plan(forward_batch, runtime)        # once per step (init_forward_metadata)
+    q, K, V, mask = runner.layer_inputs(plan, ...)    # per layer, before attention
+    ...one sparse attention call over every sparse row...
+    runner.layer_done(plan, layer, q3)                # per layer, after attention
+
+``layer_inputs`` (forward thread, no Python loop over rows or heads):
+
+1. waits for the layer's copy (the transfer schedule gathered the fixed rows'
+   critical-set K/V from the host tier into the layer's ring slot, ``depth``
+   layers ahead, :mod:`dd_sglang.prefetch.schedule`);
+2. selects and gathers the *sync* rows' sets (one selector call per selector
+   in the batch) and the *repair* columns of rows whose speculation missed;
+3. gathers the resident set from the device pool (one index per K and V) and
+   writes each speculated position's own K/V into its column;
+4. returns the folded queries, the slot's K/V and the mask.
+
+``layer_done`` hands the slot back (the next copy reuses it) and queues, on the
+select worker, the choice of the next step's sets from this layer's queries
+(speculated or current, per selector) and the sampled hit-rate measurement.
+
+The runner owns the prefetch layer's state: per-request prediction state
+(:class:`~dd_sglang.prefetch.plan.PredictionStore`, released with the request),
+the block indexes, the layer ring and the schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from dd_sglang.kernels.sparse_decode import fold_gqa
+from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
+from dd_sglang.prefetch.index import KeyBlockIndex
+from dd_sglang.prefetch.params import PrefetchParams
+from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
+from dd_sglang.prefetch.schedule import TransferSchedule
+from dd_sglang.prefetch.selectors import SELECTORS, make_selector
+from dd_sglang.prefetch.speculators import SPECULATORS
+
+
+class PrefetchEvents:
+    """What the prefetch layer reports (the plugin turns it into Prometheus metrics); no-ops here."""
+
+    def cold(self, selector: str, n: int) -> None:
+        """``n`` lookahead (request, layer)s had no set fixed in advance and selected synchronously."""
+
+    def prefetch(self, selector: str, speculator: str, layer: int, hits: int, lookups: int,
+                 mass_prefetched: float, mass_top_k: float) -> None:  # fmt: skip
+        """A sampled lookahead (request, layer): ``hits`` of ``lookups`` (= k x KV heads) exact
+        top-k tokens of the real query were prefetched; softmax mass on the prefetched set and
+        on the exact top-k."""
+
+    def speculation(self, speculator: str, accepted: bool) -> None:
+        """A request's speculated token was checked against the real one."""
+
+    def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
+        """``n`` lookahead (request, layer)s ran after a rejected speculation under ``policy``."""
+
+    def transfer(self, timings) -> None:
+        """The transfer schedule finished a step (per-layer timestamps)."""
+
+    def phase(self, name: str, seconds: float) -> None:
+        """Time spent in a phase of a decode step: ``plan``, ``select`` (forward thread),
+        ``select_ahead`` (select worker), ``assemble``, ``attention``."""
+
+    def copied(self, nbytes: int) -> None:
+        """``nbytes`` of critical-set K/V were gathered from the host tier into the layer ring."""
+
+
+_NO_EVENTS = PrefetchEvents()
+
+
+def _flat_rows(slots: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, k]`` host slots -> flattened row indices into a layer's ``[slots x Hkv, D]`` view."""
+    hkv = slots.shape[1]
+    return (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()
+
+
+class SparseStepRunner:
+    """Plans and runs the sparse rows of every decode step (module docstring).
+
+    Args:
+        host: the host tier (``HostSparseKVPool``: ``k``/``v`` ``[layers, slots, Hkv, D]``).
+        device: the device tier's device; ``dtype``: its KV dtype.
+        req_to_token: ``[max_reqs, max_context_len]`` int32 (SGLang's ``ReqToTokenPool``).
+        params: :class:`PrefetchParams`.
+        events: :class:`PrefetchEvents` receiver.
+        seed: hit-rate sampling seed.
+    """
+
+    def __init__(
+        self,
+        host,
+        device: torch.device,
+        dtype: torch.dtype,
+        req_to_token: torch.Tensor,
+        params: PrefetchParams,
+        events: PrefetchEvents | None = None,
+        seed: int = 0,
+    ):
+        self.host = host
+        self.device = torch.device(device)
+        self.params = params
+        self.events = events or _NO_EVENTS
+        self.ring = LayerRingBuffer(params.depth, self.device, dtype)
+        inline = params.transfer == "inline" or (params.transfer == "auto" and self.device.type != "cuda")
+        self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline)
+        self.store = PredictionStore()
+        self.indexes: dict[str, KeyBlockIndex] = {}
+        self.inputs = PlanInputs(
+            req_to_token=req_to_token,
+            selectors={name: make_selector(name, params.rerank) for name in SELECTORS},
+            speculators={name: cls() for name, cls in SPECULATORS.items()},
+            store=self.store,
+            make_index=self.index,
+            miss_policy=params.miss_policy,
+            repair_budget=params.repair_budget,
+            hit_rate_sample=params.hit_rate_sample,
+            rng=random.Random(seed),
+        )
+        self._mask_cache: tuple[int, int, torch.Tensor] | None = None
+        self._exact = SELECTORS["oracle"]()
+
+    # ------------------------------------------------------------------ state
+    def index(self, location: str) -> KeyBlockIndex:
+        """The block index at ``location`` (``"host"`` or ``"device"``), created on first use."""
+        idx = self.indexes.get(location)
+        if idx is None:
+            where = "cpu" if location == "host" else self.device
+            idx = self.indexes[location] = KeyBlockIndex(self.host.k, where)
+        return idx
+
+    def aux_bytes(self) -> dict[str, int]:
+        """Device bytes of selection state by selector (``quest_device``'s device index)."""
+        dev = self.indexes.get("device")
+        return {"quest_device": dev.nbytes} if dev is not None else {}
+
+    def host_index_bytes(self) -> int:
+        """Host bytes of the block index ``spec_host`` reads."""
+        idx = self.indexes.get("host")
+        return idx.nbytes if idx is not None else 0
+
+    def critical_bytes(self, plan: StepPlan | None) -> int:
+        """Bytes of the ring's critical-set and repair columns (every slot, reserved rows), K and V."""
+        if plan is None or not self.ring.shape:
+            return 0
+        n_slots, rows, hkv, _, d = self.ring.shape
+        return 2 * n_slots * rows * hkv * (plan.k + plan.repair_budget) * d * self.ring.dtype.itemsize
+
+    def release(self, rid: str) -> None:
+        """Drop a request's prediction state (the KV-cache runtime's release callback)."""
+        self.store.release(rid)
+
+    # ------------------------------------------------------------------ per step
+    def plan(self, fb, rt) -> StepPlan | None:
+        """Plan the step and start its copies; None (and nothing queued) without sparse rows."""
+        self.schedule.drain_select()  # last step's selections are read by this plan
+        plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
+        if plan is None:
+            self.schedule.end_step()
+            self.ring.release()
+            return None
+        hkv, d = self.host.k.shape[2], self.host.k.shape[3]
+        self.ring.reserve(plan.num_rows, hkv, plan.columns, d)
+        if plan.n_fixed:
+            self.schedule.begin_step(list(range(self.host.layer_num)), self._gather_fn(plan))
+        else:
+            self.schedule.end_step()
+        self.events.phase("plan", time.perf_counter() - plan.started)
+        return plan
+
+    def _gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        host_k, host_v = self.host.k, self.host.v
+        nf, k, c0 = plan.n_fixed, plan.k, plan.n_res
+        non_blocking = self.device.type == "cuda"
+        copied = self.events.copied
+
+        def gather(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
+            idx = _flat_rows(plan.fixed_slots[layer])
+            d = host_k.shape[3]
+            kk = host_k[layer].view(-1, d).index_select(0, idx).view(nf, -1, k, d)
+            vv = host_v[layer].view(-1, d).index_select(0, idx).view(nf, -1, k, d)
+            if non_blocking:
+                kk, vv = kk.pin_memory(), vv.pin_memory()
+            k_slot[:nf, :, c0 : c0 + k].copy_(kk, non_blocking=non_blocking)
+            v_slot[:nf, :, c0 : c0 + k].copy_(vv, non_blocking=non_blocking)
+            copied(kk.nbytes + vv.nbytes)
+
+        return gather
+
+    # ------------------------------------------------------------------ per layer
+    def layer_inputs(self, plan: StepPlan, layer: int, q3: torch.Tensor, k3: torch.Tensor,
+                     v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float):  # fmt: skip
+        """Attention inputs of host layer ``layer`` for every sparse row (module docstring).
+
+        Args:
+            q3: ``[tokens, Hq, D]`` this layer's queries (real rows, then speculated positions).
+            k3, v3: ``[tokens, Hkv, D]`` this layer's new K/V (the speculated positions' are
+                never written to the KV cache; they fill their own column here).
+            k_buf, v_buf: the device pool's ``[slots, Hkv, D]`` buffers of this layer.
+
+        Returns:
+            ``(q, keys, values, mask)`` for :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`:
+            ``[R, Hkv, 2 x group, D]``, ``[R, Hkv, columns, D]`` twice, ``[R, 1, 2 x group, columns]``.
+        """
+        hkv = k_buf.shape[1]
+        if plan.n_fixed:
+            keys, values = self.schedule.wait(layer)
+        else:
+            keys, values = self.ring.slot(layer)
+        r = plan.num_rows
+        keys, values = keys[:r, :, : plan.columns], values[:r, :, : plan.columns]
+        t0 = time.perf_counter()
+        for g in plan.sync:
+            self._sync_select(plan, g, layer, q3, keys, values, scale)
+        if plan.repair_rows.numel():
+            self._repair(plan, layer, q3, keys, values, scale)
+        t1 = time.perf_counter()
+        if plan.sync or plan.repair_rows.numel():
+            self.events.phase("select", t1 - t0)
+        n_res = plan.n_res
+        keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
+        values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
+        if plan.spec_rows.numel():
+            keys[plan.spec_rows, :, -1] = k3[plan.spec_tokens].to(keys.dtype)
+            values[plan.spec_rows, :, -1] = v3[plan.spec_tokens].to(values.dtype)
+        q = fold_gqa(q3[plan.qidx], hkv)
+        mask = self._mask(plan, q.shape[2] // 2)
+        self.events.phase("assemble", time.perf_counter() - t1)
+        return q, keys, values, mask
+
+    def _mask(self, plan: StepPlan, group: int) -> torch.Tensor:
+        cached = self._mask_cache
+        if cached is not None and cached[0] == id(plan) and cached[1] == group:
+            return cached[2]
+        m = plan.mask.repeat_interleave(group, dim=1).unsqueeze(1)
+        self._mask_cache = (id(plan), group, m)
+        return m
+
+    def _put(self, keys, values, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
+        """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of ``rows``."""
+        n, hkv, w = slots.shape
+        d = self.host.k.shape[3]
+        idx = _flat_rows(slots)
+        kk = self.host.k[layer].view(-1, d).index_select(0, idx).view(n, hkv, w, d)
+        vv = self.host.v[layer].view(-1, d).index_select(0, idx).view(n, hkv, w, d)
+        dev = rows.to(keys.device)
+        keys[dev, :, c0 : c0 + w] = kk.to(keys.device, keys.dtype)
+        values[dev, :, c0 : c0 + w] = vv.to(values.device, values.dtype)
+        self.events.copied(kk.nbytes + vv.nbytes)
+
+    def _sync_select(self, plan, g, layer, q3, keys, values, scale) -> None:
+        index = self.indexes.get(g.selector.index_location) if g.selector.index_location else None
+        q = q3[g.query.to(q3.device)].detach().cpu()
+        _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, index, layer)
+        self._put(keys, values, layer, g.rows, slots, plan.n_res)
+        if g.selector.lookahead:
+            self.events.cold(g.selector.name, int(g.rows.numel()))
+
+    def _repair(self, plan, layer, q3, keys, values, scale) -> None:
+        """Rows whose speculation missed: the ``repair_budget`` best non-prefetched candidates of
+        the real query, per KV head, into the repair columns (a synchronous gather)."""
+        rows = plan.repair_rows
+        blocks = plan.blocks.take(rows)
+        q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
+        pos, slots, score = self._exact.score(q, blocks, self.host.k[layer], plan.k, scale, None, layer)
+        have = plan.fixed_pos[layer][rows]  # exact scoring lists every position in order: index == position
+        kmask = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
+        score = score.scatter(-1, torch.where(kmask, have, 0), float("-inf"))
+        top = score.topk(plan.repair_budget, dim=-1).indices
+        self._put(keys, values, layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
+        self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * plan.repair_budget)
+
+    def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
+        """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
+        if plan.n_fixed:
+            self.schedule.done(layer)
+        host_k = self.host.k[layer]
+        nxt = self.store.next_sets
+        for g in plan.ahead:
+            q = q3[g.query.to(q3.device)].detach().to("cpu", copy=True)
+            index = self.index(g.selector.index_location) if g.selector.index_location else None
+
+            def select(g=g, q=q, index=index) -> None:
+                t0 = time.perf_counter()
+                pos, slots = g.selector.select(q, g.blocks, host_k, g.k, scale, index, layer)
+                nxt.put(layer, g.dest, pos, slots)
+                self.events.phase("select_ahead", time.perf_counter() - t0)
+
+            self.schedule.submit_select(select)
+        if plan.sampled.numel():
+            q = q3[plan.qidx[plan.sampled.to(plan.qidx.device), 0]].detach().to("cpu", copy=True)
+            self.schedule.submit_select(lambda: self._measure(plan, layer, q, scale))
+        misses = [j for j in range(plan.n_ahead) if plan.rejected[j]]
+        n_use = len(misses) - int(plan.repair_rows.numel())
+        if n_use > 0:
+            self.events.miss("use_prefetched", n_use, 0)
+
+    def _measure(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> None:
+        """Hit rate of the sampled rows' prefetched sets against the exact top-k of the real query."""
+        rows = plan.sampled
+        blocks = plan.blocks.take(rows)
+        host_k = self.host.k[layer]
+        _, _, score = self._exact.score(q, blocks, host_k, plan.k, scale, None, layer)
+        prob = score.exp()  # [n, Hkv, P]: position p at index p
+        kr = plan.top_k[rows].view(-1, 1, 1)
+        top = prob.topk(plan.k, dim=-1)
+        valid = torch.arange(plan.k) < kr  # [n, 1, k]
+        have = plan.fixed_pos[layer][rows]
+        hit = (have.unsqueeze(-1) == top.indices.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
+        hits = hit.any(dim=-1).sum(dim=(1, 2))
+        mass_have = (prob.gather(-1, have) * valid).sum(dim=(1, 2))
+        mass_top = (top.values * valid).sum(dim=(1, 2))
+        hkv = have.shape[1]
+        for i, j in enumerate(rows.tolist()):
+            sel, spec = plan.labels[j]
+            self.events.prefetch(sel, spec, layer, int(hits[i]), hkv * int(kr[i]),
+                                 float(mass_have[i]), float(mass_top[i]))  # fmt: skip
+
+    def end_step(self) -> None:
+        """Finish the step's copies (no layer left to wait for them)."""
+        self.schedule.end_step()

@@ -1,0 +1,229 @@
+"""The ``dualdecoder`` backend's plan/run split on SGLang-shaped fakes, no server.
+
+A real :class:`SparseRuntime` (host tier, offload, resident set) over the fakes
+of ``tests/test_sparse_runtime.py``; the backend plans a decode step and runs
+every layer; each output is compared with attention computed independently,
+in float64, over the token set the design says the row must read: the whole
+context when ``top_k`` covers it, else the resident set plus the exact top-k of
+the query that chose the set (the current query for ``oracle``, the previous
+step's speculated query for ``spec_host_exact``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from dd_sglang.attention.backend import BackendEvents, DualDecoderAttnBackend, finish_step
+from dd_sglang.prefetch.params import PrefetchParams
+from dd_sglang.prefetch.selectors import gqa_token_scores
+from dd_sglang.prefetch.speculators import SpecState
+from tests.test_sparse_runtime import HKV, LAYERS, PER_TOKEN, D, params, setup
+
+HQ = 9
+SCALE = D**-0.5
+PROMPT = 300
+
+
+class KVPool:
+    """SGLang's ``token_to_kv_pool`` surface the backend uses, over the fake pool's buffers."""
+
+    def __init__(self, pool):
+        self.pool, self.start_layer = pool, 0
+
+    def get_key_buffer(self, layer_id):
+        return self.pool.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id):
+        return self.pool.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.pool.k_buffer[layer.layer_id][loc.loc] = k
+        self.pool.v_buffer[layer.layer_id][loc.loc] = v
+
+
+class DenseFake:
+    """The dense delegate: never asked to attend for a sparse-only batch."""
+
+    def init_forward_metadata(self, fb):
+        pass
+
+    def forward_decode(self, *a, **kw):  # pragma: no cover - a sparse-only batch has no dense rows
+        raise AssertionError("dense delegate called for a sparse row")
+
+
+class Events(BackendEvents):
+    def __init__(self):
+        self.cold_n, self.rows, self.steps, self.copied_bytes = 0, 0, [], 0
+
+    def cold(self, selector, n):
+        self.cold_n += n
+
+    def sparse_rows(self, n):
+        self.rows += n
+
+    def step(self, kind, seconds):
+        self.steps.append(kind)
+
+    def copied(self, nbytes):
+        self.copied_bytes += nbytes
+
+
+def _layer(i):
+    return SimpleNamespace(tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D, tp_k_head_num=HKV, layer_id=i,
+                           scaling=SCALE, is_cross_attention=False)  # fmt: skip
+
+
+def _decode_mode():
+    return SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False)
+
+
+def _attend(q, keys, values):
+    """float64 GQA attention of one query ``[HQ, D]`` over ``[n, HKV, D]``."""
+    out = torch.zeros(HQ, D, dtype=torch.float64)
+    for h in range(HQ):
+        w = torch.softmax(keys[:, h // 3].double() @ q[h].double() * SCALE, 0)
+        out[h] = w @ values[:, h // 3].double()
+    return out
+
+
+def _attend_sets(q, k_all, v_all, sets):
+    """Per KV head its own position set (``sets[kv]``: a list of positions into ``k_all``)."""
+    out = torch.zeros(HQ, D, dtype=torch.float64)
+    for h in range(HQ):
+        p = torch.tensor(sorted(sets[h // 3]))
+        w = torch.softmax(k_all[p, h // 3].double() @ q[h].double() * SCALE, 0)
+        out[h] = w @ v_all[p, h // 3].double()
+    return out
+
+
+class Harness:
+    """One request offloaded to the host tier, decoded step by step through the backend."""
+
+    def __init__(self, **overrides):
+        p = params(page_size=16, n_keep=0, host_tier_bytes=2000 * PER_TOKEN, **overrides)
+        self.rt, self.pool, self.alloc, self.r2t, self.req, self.tree, ok, ov = setup(p, PROMPT, 0)
+        row = self.r2t[2, :PROMPT].long().clone()
+        self.k_all = [ok[i][row].clone() for i in range(LAYERS)]  # position -> K, every layer
+        self.v_all = [ov[i][row].clone() for i in range(LAYERS)]
+        self.rt.speculator = "dual_token"  # the preset's default speculator
+        self.rt.after_extend(SimpleNamespace(reqs=[self.req]), self.tree)
+        self.st = self.rt.requests["r1"]
+        self.events = Events()
+        self.backend = DualDecoderAttnBackend(
+            DenseFake(), KVPool(self.pool), self.r2t, p, lambda: self.rt,
+            PrefetchParams(hit_rate_sample=0.0), self.events,
+        )  # fmt: skip
+        self.gen = torch.Generator().manual_seed(11)
+
+    def step(self):
+        """Decode one token: returns (fb, q per layer [tokens, HQ, D], outputs per layer)."""
+        pos = self.req.kv.kv_committed_len
+        slot = self.alloc.alloc(1)
+        self.r2t[2, pos] = slot.int()
+        tok = 5 + pos % 4  # the prompt repeats 5 6 7 8: prompt lookup proposes the next
+        fb = SimpleNamespace(
+            forward_mode=_decode_mode(), batch_size=1, input_ids=torch.tensor([tok]),
+            positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1]), req_pool_indices=torch.tensor([2]),
+            out_cache_loc=slot, seq_lens_cpu=torch.tensor([pos + 1]), encoder_lens=None,
+        )  # fmt: skip
+        self.backend.init_forward_metadata(fb)
+        n_tok = fb.input_ids.numel()
+        qs, outs = [], []
+        for i in range(LAYERS):
+            q = torch.randn(n_tok, HQ * D, generator=self.gen)
+            k = torch.randn(n_tok, HKV * D, generator=self.gen)
+            v = torch.randn(n_tok, HKV * D, generator=self.gen)
+            self.k_all[i] = torch.cat([self.k_all[i], k[:1].view(1, HKV, D)])
+            self.v_all[i] = torch.cat([self.v_all[i], v[:1].view(1, HKV, D)])
+            out = self.backend.forward_decode(q, k, v, _layer(i), fb)
+            qs.append((q.view(n_tok, HQ, D), k.view(n_tok, HKV, D), v.view(n_tok, HKV, D)))
+            outs.append(out.view(n_tok, HQ, D))
+        logits = SimpleNamespace(next_token_logits=torch.randn(n_tok, 50, generator=self.gen), hidden_states=None)
+        finish_step(logits, fb)
+        assert logits.next_token_logits.shape[0] == 1  # speculated rows cut before sampling
+        self.req.kv.kv_committed_len += 1
+        self.req.output_ids.append(tok)
+        self.rt.after_decode(SimpleNamespace(reqs=[self.req]), self.tree)
+        return fb, qs, outs
+
+
+def test_top_k_covering_the_context_attends_to_every_token_with_the_speculated_position_beside():
+    h = Harness(top_k=1000, selector="spec_host")
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)  # prompt lookup always proposes a token
+    for _ in range(3):
+        fb, qs, outs = h.step()
+        assert fb.input_ids.numel() == 2  # the speculated token rode as a second position
+        n = h.req.kv.kv_committed_len  # positions 0..n-1 have K/V now
+        for i in range(LAYERS):
+            q, k, v = qs[i]
+            want = _attend(q[0], h.k_all[i][:n], h.v_all[i][:n])
+            torch.testing.assert_close(outs[i][0].double(), want, atol=1e-4, rtol=1e-4)
+            # The speculated position reads the same context plus its own K/V.
+            ks, vs = torch.cat([h.k_all[i][:n], k[1:2]]), torch.cat([h.v_all[i][:n], v[1:2]])
+            torch.testing.assert_close(outs[i][1].double(), _attend(q[1], ks, vs), atol=1e-4, rtol=1e-4)
+    assert h.events.steps == ["sparse"] * 3 and h.events.rows == 3 * LAYERS
+    assert h.events.cold_n == 0  # every candidate fits: no selection at all
+
+
+def _topk_sets(q, k_all, cand, k):
+    s = gqa_token_scores(q, k_all[cand], SCALE)
+    return [set(cand[s[kv].topk(k).indices].tolist()) for kv in range(HKV)]
+
+
+def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query():
+    h = Harness(top_k=24, selector="oracle")
+    for _ in range(2):
+        cand = h.st.host_candidates()
+        resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+        fb, qs, outs = h.step()
+        assert fb.input_ids.numel() == 1  # oracle reads no speculated position
+        for i in range(LAYERS):
+            q = qs[i][0][0]
+            top = _topk_sets(q, h.k_all[i], cand, 24)
+            sets = [top[kv] | set(resident) for kv in range(HKV)]
+            torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
+                                       atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier():
+    h = Harness(top_k=24, selector="spec_host_exact")
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen
+    fb, qs_prev, _ = h.step()  # cold: selects from the current query, queues next step's sets
+    assert h.events.cold_n == LAYERS
+    resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+    fb, qs, outs = h.step()
+    assert h.events.cold_n == LAYERS  # not cold any more
+    for i in range(LAYERS):
+        spec_q = qs_prev[i][0][1]  # the speculated position's query of the previous step
+        chosen = _topk_sets(spec_q, h.k_all[i], cand_prev, 24)
+        sets = [chosen[kv] | set(resident) for kv in range(HKV)]
+        q = qs[i][0][0]
+        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+    # Bytes copied into the ring: 24 tokens x 3 KV heads x D x 4 B, K and V, per layer.
+    assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
+
+
+def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
+    h = Harness(top_k=1000, selector="spec_host")
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    fb = SimpleNamespace(
+        forward_mode=_decode_mode(), batch_size=1, input_ids=torch.tensor([5]), positions=torch.tensor([PROMPT]),
+        seq_lens=torch.tensor([PROMPT + 1]), req_pool_indices=torch.tensor([2]), out_cache_loc=torch.tensor([1]),
+    )  # fmt: skip
+    h.backend.init_forward_metadata(fb)
+    plan = fb.dd_step.plan
+    assert len(plan.spec_states) == 1 and isinstance(plan.spec_states[0], SpecState)
+    logits = torch.randn(2, 11)
+    hidden = torch.randn(2, 7)
+    out = SimpleNamespace(next_token_logits=logits, hidden_states=hidden)
+    h.backend.runner.end_step()
+    finish_step(out, fb)
+    assert torch.equal(out.next_token_logits, logits[:1]) and torch.equal(out.hidden_states, hidden[:1])
+    assert plan.spec_states[0].argmax == int(logits[1].argmax())
+    assert fb.dd_step is None
+    finish_step(out, fb)  # a second logits call of the same batch is left alone
+    assert out.next_token_logits.shape[0] == 1
