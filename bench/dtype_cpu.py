@@ -10,7 +10,7 @@ time: prefill a ~4,000-token prompt (``max_tokens`` 1: the time to the answer
 is the prefill), decode 48 tokens after a ~4,000-token prompt and after a
 ~100-token prompt (streamed: decode tok/s = (chunks - 1) / (last - first chunk
 time)). The median of the repeats is kept. Records the CPU's ISA flags that
-decide the default (:func:`dd_sglang.platform.cpu.native_bf16`). Nothing here
+decide the default (:func:`dd_sglang.platform.dtype.native_bf16`). Nothing here
 is a pass/fail test; the launcher's default dtype on a CPU without native bf16
 (float32) is the one this measured faster.
 """
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model
-    from dd_sglang.platform.cpu import cpu_flags, native_bf16
+    from dd_sglang.platform.dtype import cpu_flags, native_bf16
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     runs = [measure(d, tok, args.repeats) for d in ("bfloat16", "float32")]

@@ -140,7 +140,11 @@ class PrefetchSection(_Strict):
     its host-tier key index covering ``rerank x top_k`` tokens and re-ranks
     them exactly. ``transfer``: ``worker`` copies on a worker thread while
     earlier layers compute, ``inline`` on the forward thread when the layer
-    needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU. A
+    needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU.
+    ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
+    transfer kernel reading the pinned tier on the GPU, bounded blocks;
+    ``staging``: host gather into pinned memory, one copy; ``cpu``; ``auto``:
+    ``kernel`` on CUDA where sgl_kernel imports, else ``staging``). A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
@@ -152,6 +156,7 @@ class PrefetchSection(_Strict):
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
     rerank: float = Field(4.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline"] = "auto"
+    gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
 
 
 class DDConfig(_Strict):

@@ -164,12 +164,12 @@ def build_sglang_argv(
 def with_cpu_dtype(argv: list[str], cpu: bool) -> list[str]:
     """``argv`` plus ``--dtype`` chosen by the CPU platform when ``cpu`` and the user gave none.
 
-    The choice (:func:`dd_sglang.platform.cpu.default_dtype`: bf16 with native bf16 matrix
+    The choice (:func:`dd_sglang.platform.dtype.default_dtype`: bf16 with native bf16 matrix
     instructions, else float32, measured faster there) is logged once.
     """
     if not cpu or has_flag(argv, "--dtype"):
         return list(argv)
-    from dd_sglang.platform.cpu import NATIVE_BF16_FLAGS, default_dtype, native_bf16
+    from dd_sglang.platform.dtype import NATIVE_BF16_FLAGS, default_dtype, native_bf16
 
     dtype = default_dtype()
     logger.info("dd_sglang: this CPU %s native bf16 (%s): --dtype %s (give --dtype to override)",

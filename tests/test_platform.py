@@ -49,7 +49,7 @@ def test_sglang_resolves_our_platform_here():
 
 
 def test_default_dtype_follows_native_bf16_instructions(tmp_path):
-    from dd_sglang.platform.cpu import cpu_flags, default_dtype, native_bf16
+    from dd_sglang.platform.dtype import cpu_flags, default_dtype, native_bf16
 
     avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
     assert default_dtype(avx2) == "float32" and not native_bf16(avx2)
@@ -66,7 +66,7 @@ def test_launcher_passes_the_cpu_dtype_unless_the_user_gave_one(monkeypatch, cap
     import logging
 
     from dd_sglang.launch_server import with_cpu_dtype
-    from dd_sglang.platform import cpu as cpu_mod
+    from dd_sglang.platform import dtype as cpu_mod
 
     monkeypatch.setattr(cpu_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
     with caplog.at_level(logging.INFO, logger="dd_sglang.launch_server"):

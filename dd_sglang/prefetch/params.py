@@ -25,6 +25,9 @@ class PrefetchParams:
         transfer: ``worker`` (copies on the copy worker, overlapping the layers before) or
             ``inline`` (on the forward thread when the layer needs them); ``auto``: ``worker``
             on CUDA, ``inline`` on a CPU device.
+        gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
+            ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
+            ``staging`` (CUDA: host gather into pinned staging, then one copy).
     """
 
     speculator: str = "dual_token"
@@ -34,3 +37,4 @@ class PrefetchParams:
     hit_rate_sample: float = 0.05
     rerank: float = 4.0
     transfer: str = "auto"
+    gather: str = "auto"

@@ -37,6 +37,7 @@ import torch
 
 from dd_sglang.kernels.sparse_decode import fold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
+from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
 from dd_sglang.prefetch.index import KeyBlockIndex
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
@@ -77,12 +78,6 @@ class PrefetchEvents:
 _NO_EVENTS = PrefetchEvents()
 
 
-def _flat_rows(slots: torch.Tensor) -> torch.Tensor:
-    """``[n, Hkv, k]`` host slots -> flattened row indices into a layer's ``[slots x Hkv, D]`` view."""
-    hkv = slots.shape[1]
-    return (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()
-
-
 class SparseStepRunner:
     """Plans and runs the sparse rows of every decode step (module docstring).
 
@@ -112,6 +107,7 @@ class SparseStepRunner:
         self.ring = LayerRingBuffer(params.depth, self.device, dtype)
         inline = params.transfer == "inline" or (params.transfer == "auto" and self.device.type != "cuda")
         self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline)
+        self.gather = RingGather(host.k, host.v, self.device, params.gather)
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex] = {}
         self.inputs = PlanInputs(
@@ -177,23 +173,15 @@ class SparseStepRunner:
         return plan
 
     def _gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
-        host_k, host_v = self.host.k, self.host.v
-        nf, k, c0 = plan.n_fixed, plan.k, plan.n_res
-        non_blocking = self.device.type == "cuda"
-        copied = self.events.copied
+        """The copy of layer ``l``'s fixed rows (plan rows ``[0, n_fixed)``) into its ring slot."""
+        hkv = self.host.k.shape[2]
+        dst = ring_rows(torch.arange(plan.n_fixed), hkv, self.ring.shape[3], plan.n_res, plan.k)
+        gather, copied, n_slots = self.gather, self.events.copied, self.ring.n_slots
 
-        def gather(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
-            idx = _flat_rows(plan.fixed_slots[layer])
-            d = host_k.shape[3]
-            kk = host_k[layer].view(-1, d).index_select(0, idx).view(nf, -1, k, d)
-            vv = host_v[layer].view(-1, d).index_select(0, idx).view(nf, -1, k, d)
-            if non_blocking:
-                kk, vv = kk.pin_memory(), vv.pin_memory()
-            k_slot[:nf, :, c0 : c0 + k].copy_(kk, non_blocking=non_blocking)
-            v_slot[:nf, :, c0 : c0 + k].copy_(vv, non_blocking=non_blocking)
-            copied(kk.nbytes + vv.nbytes)
+        def copy(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
+            copied(gather.copy(layer, flat_rows(plan.fixed_slots[layer]), k_slot, v_slot, dst, layer % n_slots))
 
-        return gather
+        return copy
 
     # ------------------------------------------------------------------ per layer
     def layer_inputs(self, plan: StepPlan, layer: int, q3: torch.Tensor, k3: torch.Tensor,
@@ -219,9 +207,9 @@ class SparseStepRunner:
         keys, values = keys[:r, :, : plan.columns], values[:r, :, : plan.columns]
         t0 = time.perf_counter()
         for g in plan.sync:
-            self._sync_select(plan, g, layer, q3, keys, values, scale)
+            self._sync_select(plan, g, layer, q3, scale)
         if plan.repair_rows.numel():
-            self._repair(plan, layer, q3, keys, values, scale)
+            self._repair(plan, layer, q3, scale)
         t1 = time.perf_counter()
         if plan.sync or plan.repair_rows.numel():
             self.events.phase("select", t1 - t0)
@@ -244,27 +232,24 @@ class SparseStepRunner:
         self._mask_cache = (id(plan), group, m)
         return m
 
-    def _put(self, keys, values, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
-        """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of ``rows``."""
-        n, hkv, w = slots.shape
-        d = self.host.k.shape[3]
-        idx = _flat_rows(slots)
-        kk = self.host.k[layer].view(-1, d).index_select(0, idx).view(n, hkv, w, d)
-        vv = self.host.v[layer].view(-1, d).index_select(0, idx).view(n, hkv, w, d)
-        dev = rows.to(keys.device)
-        keys[dev, :, c0 : c0 + w] = kk.to(keys.device, keys.dtype)
-        values[dev, :, c0 : c0 + w] = vv.to(values.device, values.dtype)
-        self.events.copied(kk.nbytes + vv.nbytes)
+    def _put(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
+        """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of plan
+        rows ``rows`` of the layer's ring slot (a synchronous copy: a selection at attention time)."""
+        k_slot, v_slot = self.ring.slot(layer)
+        _, _, hkv, columns, _ = self.ring.shape
+        dst = ring_rows(rows, hkv, columns, c0, slots.shape[2])
+        n = self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, dst, layer % self.ring.n_slots)
+        self.events.copied(n)
 
-    def _sync_select(self, plan, g, layer, q3, keys, values, scale) -> None:
+    def _sync_select(self, plan, g, layer, q3, scale) -> None:
         index = self.indexes.get(g.selector.index_location) if g.selector.index_location else None
         q = q3[g.query.to(q3.device)].detach().cpu()
         _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, index, layer)
-        self._put(keys, values, layer, g.rows, slots, plan.n_res)
+        self._put(layer, g.rows, slots, plan.n_res)
         if g.selector.lookahead:
             self.events.cold(g.selector.name, int(g.rows.numel()))
 
-    def _repair(self, plan, layer, q3, keys, values, scale) -> None:
+    def _repair(self, plan, layer, q3, scale) -> None:
         """Rows whose speculation missed: the ``repair_budget`` best non-prefetched candidates of
         the real query, per KV head, into the repair columns (a synchronous gather)."""
         rows = plan.repair_rows
@@ -275,7 +260,7 @@ class SparseStepRunner:
         kmask = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
         score = score.scatter(-1, torch.where(kmask, have, 0), float("-inf"))
         top = score.topk(plan.repair_budget, dim=-1).indices
-        self._put(keys, values, layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
+        self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
         self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * plan.repair_budget)
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:

@@ -1,0 +1,38 @@
+"""The model dtype a CPU runs fastest, from its ISA flags (no SGLang import: the launcher reads it early)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+#: CPU flags (``/proc/cpuinfo``) of native bf16 matrix instructions: AVX-512 BF16 and AMX-BF16.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@cache
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The ISA flags of the first CPU in ``cpuinfo`` (empty where the file is absent, e.g. macOS)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True when the CPU has native bf16 matrix instructions (:data:`NATIVE_BF16_FLAGS`)."""
+    return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+
+
+def default_dtype(flags: frozenset[str] | None = None) -> str:
+    """SGLang ``--dtype`` for this CPU: ``bfloat16`` with native bf16 instructions, else ``float32``.
+
+    Without them PyTorch emulates bf16 matrix products, and float32 measured faster for the
+    embedded model on a 2-core AVX2 machine: prefill and decode, ``bench/results/dtype_cpu.json``
+    (``python -m bench.dtype_cpu``). The KV cache follows the model dtype, so float32 doubles
+    its bytes per token.
+    """
+    return "bfloat16" if native_bf16(flags) else "float32"

@@ -1,0 +1,136 @@
+"""Critical-set gather: host-tier K/V rows into a layer ring slot, one call per layer for every row and head.
+
+Each selected token of each KV head is one row of ``head_dim`` elements in the
+host tier (a layer's ``[slots, Hkv, D]`` buffer viewed as ``[slots x Hkv, D]``:
+row ``slot x Hkv + h``); its destination is one row of the ring slot (a
+``[R, Hkv, N, D]`` buffer viewed as ``[R x Hkv x N, D]``: row
+``(r x Hkv + h) x N + c``). :func:`flat_rows` builds the source index once per
+layer; :meth:`RingGather.copy` moves the rows. Three ways, by where the ring
+lives:
+
+* ``cpu``: the "device" is the CPU; one ``index_select`` per K and V, written
+  into the slot (PyTorch spreads it over the intra-op threads).
+* ``kernel`` (CUDA, the default there): SGLang's own host-to-device transfer
+  kernel (``sgl_kernel.kvcacheio.transfer_kv_per_layer``, the one HiCache and
+  HiSparse use) reads the pinned host tier directly by index (zero copy through
+  unified addressing) with a bounded number of thread blocks
+  (:data:`BLOCK_QUOTA`), so it takes few SMs from the layers computing beside
+  it. Measured on an H200 (DESIGN.md): such a gather moves 93-100% of pinned
+  memcpy bandwidth for 256-byte rows, against 55-70% for a 16-core host gather
+  plus a copy; so it is the default where ``sgl_kernel`` imports.
+* ``staging`` (CUDA): a host ``index_select`` into a pinned staging buffer
+  (one per ring slot, reused; an event keeps a refill from overtaking the
+  copy still reading it), then one copy-engine transfer.
+
+The CUDA modes have not run in this repository's tests (no GPU here); they are
+written against the documented calls and covered by
+``tests/test_transfer_schedule_cuda.py`` where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Thread blocks per SM the transfer kernel may use (sgl_kernel's ``block_quota``; its default is 2).
+BLOCK_QUOTA = 1
+
+
+def flat_rows(slots: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, k]`` host slots -> ``[n x Hkv x k]`` int64 rows of a layer's ``[slots x Hkv, D]`` view."""
+    hkv = slots.shape[1]
+    return (slots * hkv + torch.arange(hkv, device=slots.device).view(1, hkv, 1)).flatten()
+
+
+def ring_rows(rows: torch.Tensor, hkv: int, columns: int, c0: int, width: int) -> torch.Tensor:
+    """Destination rows of a ``[R, Hkv, columns, D]`` slot for plan rows ``rows``, columns ``[c0, c0 + width)``.
+
+    Returns ``[len(rows) x Hkv x width]`` int64, in the order :func:`flat_rows` lists sources.
+    """
+    base = (rows.view(-1, 1, 1) * hkv + torch.arange(hkv).view(1, hkv, 1)) * columns
+    return (base + c0 + torch.arange(width).view(1, 1, width)).flatten()
+
+
+class RingGather:
+    """Moves host-tier rows into ring slots (module docstring).
+
+    Args:
+        host_k, host_v: the host tier's ``[layers, slots, Hkv, D]`` buffers (pinned on CUDA hosts).
+        device: the ring's device.
+        mode: ``auto`` (``cpu`` on a CPU device; on CUDA ``kernel`` where ``sgl_kernel`` imports,
+            else ``staging``), or one of ``cpu``, ``kernel``, ``staging``.
+
+    Raises:
+        ValueError: an unknown mode, or a CUDA mode on a CPU device.
+    """
+
+    def __init__(self, host_k: torch.Tensor, host_v: torch.Tensor, device: torch.device, mode: str = "auto"):
+        self.host_k, self.host_v = host_k, host_v
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self._transfer = None
+        if mode == "auto":
+            mode = "cpu"
+            if cuda:
+                mode = "kernel" if self._kernel() is not None else "staging"
+        if mode not in ("cpu", "kernel", "staging"):
+            raise ValueError(f"prefetch.gather must be auto, cpu, kernel or staging, got {mode!r}")
+        if mode != "cpu" and not cuda:
+            raise ValueError(f"prefetch.gather {mode} needs a CUDA device, the ring is on {self.device}")
+        if mode == "kernel" and self._kernel() is None:
+            raise ValueError("prefetch.gather kernel needs sgl_kernel (SGLang's CUDA kernels)")
+        self.mode = mode
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
+
+    def _kernel(self):
+        if self._transfer is None:
+            try:
+                from sgl_kernel.kvcacheio import transfer_kv_per_layer
+            except Exception:  # no CUDA build of sgl_kernel here
+                return None
+            self._transfer = transfer_kv_per_layer
+        return self._transfer
+
+    def copy(self, layer: int, src_rows: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+             dst_rows: torch.Tensor, slot: int = 0) -> int:  # fmt: skip
+        """Copy host rows ``src_rows`` of ``layer`` (K and V) to rows ``dst_rows`` of ``k_dst``/``v_dst``.
+
+        ``k_dst``/``v_dst``: a ring slot, contiguous ``[R, Hkv, N, D]``; ``src_rows``/``dst_rows``:
+        ``[m]`` int64 (:func:`flat_rows`, :func:`ring_rows`); ``slot``: the ring slot index (staging
+        buffers are per slot). On CUDA the call is asynchronous on the current stream.
+        Returns the bytes moved (K and V).
+        """
+        d = self.host_k.shape[3]
+        src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
+        dk, dv = k_dst.view(-1, d), v_dst.view(-1, d)
+        m = int(src_rows.numel())
+        if self.mode == "cpu":
+            dk[dst_rows] = src_k.index_select(0, src_rows)
+            dv[dst_rows] = src_v.index_select(0, src_rows)
+        elif self.mode == "kernel":
+            self._transfer(src_k=src_k, dst_k=dk, src_v=src_v, dst_v=dv,
+                           src_indices=src_rows.to(self.device, non_blocking=True),
+                           dst_indices=dst_rows.to(self.device, non_blocking=True),
+                           item_size=d * src_k.element_size(), block_quota=BLOCK_QUOTA)  # fmt: skip
+        else:
+            sk, sv = self._stage(slot, m, d, src_k.dtype)
+            torch.index_select(src_k, 0, src_rows, out=sk)
+            torch.index_select(src_v, 0, src_rows, out=sv)
+            dst = dst_rows.to(self.device, non_blocking=True)
+            dk[dst] = sk.to(self.device, non_blocking=True)
+            dv[dst] = sv.to(self.device, non_blocking=True)
+            evt = torch.cuda.Event()
+            evt.record()
+            self._staging[slot] = (*self._staging[slot][:2], evt)
+        return 2 * m * d * src_k.element_size()
+
+    def _stage(self, slot: int, m: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pinned ``[m, D]`` K and V staging views of ``slot``'s buffers, once their last copy finished."""
+        got = self._staging.get(slot)
+        if got is not None and got[2] is not None:
+            got[2].synchronize()  # the transfer that read this buffer last is done
+        if got is None or got[0].shape[0] < m:
+            k = torch.empty(m, d, dtype=dtype, pin_memory=True)
+            v = torch.empty(m, d, dtype=dtype, pin_memory=True)
+            got = (k, v, None)
+            self._staging[slot] = got
+        return got[0][:m], got[1][:m]
