@@ -61,20 +61,26 @@ def completion(srv, prompt: str, **kw) -> dict:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_cached_token_count_with_n_choices(rel_server, tokenizer, n):
-    """``n`` sampled choices of one prompt: usage counts the prompt once, and its cached tokens are
-    what one request would report (0 cold, prompt - 1 warm), never multiplied by ``n``."""
-    prompt = f"Choice check {n}. " + "Describe a quiet harbour at dawn in one sentence. " * 12
+def test_cached_token_count_with_n_choices_warm(rel_server, tokenizer, n):
+    """``n`` sampled choices of a cached prompt: usage counts the prompt once, and its cached tokens
+    are what one request reports (prompt - 1), never multiplied by ``n``."""
+    prompt = f"Warm choice check {n}. " + "Describe a quiet harbour at dawn in one sentence. " * 12
     p = len(tokenizer.encode(prompt))
-    flush_when_idle(rel_server)
-    cold = completion(rel_server, prompt, n=n, temperature=0.8, seed=n)
-    assert len(cold["choices"]) == n
-    assert cold["usage"]["prompt_tokens"] == p
-    assert cold["usage"]["completion_tokens"] == 4 * n
-    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    warm = completion(rel_server, prompt, n=n, temperature=0.8, seed=n + 1)
+    completion(rel_server, prompt)  # caches the prompt
+    warm = completion(rel_server, prompt, n=n, temperature=0.8, seed=n)
+    assert len(warm["choices"]) == n
     assert warm["usage"]["prompt_tokens"] == p
+    assert warm["usage"]["completion_tokens"] == 4 * n
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == p - 1
+
+
+def test_cached_token_count_with_n_choices_cold(rel_server, tokenizer):
+    """A prompt nobody sent before, with ``n`` = 3: none of its tokens came from the cache."""
+    prompt = "Cold choice check. " + "List three uses of a lighthouse keeper's logbook. " * 12
+    p = len(tokenizer.encode(prompt))
+    cold = completion(rel_server, prompt, n=3, temperature=0.8, seed=3)
+    assert cold["usage"]["prompt_tokens"] == p
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_flush_cache_right_after_a_request(rel_server, tokenizer):
