@@ -157,7 +157,7 @@ def start_server(
     log_path: Path,
     max_total_tokens: int,
     extra_args: list[str] | None = None,
-    timeout: float = 300.0,
+    timeout: float = 600.0,
     api_key: str | None = None,
 ) -> ServerProcess:
     """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200.
