@@ -88,9 +88,10 @@ def test_sidecar_killed_and_restarted(rel_server, tokenizer):
 
 
 def test_running_gauges_return_to_zero_within_2_s(rel_server, tokenizer):
-    """While a sparse request streams, the gauges show it; 2 s after its last token every
+    """While a sparse request streams, the gauges show it (SGLang publishes its running-request gauge
+    every 40 decode steps: sampled at token 45); 2 s after its last token every
     ``dd_dualpath_requests`` state and SGLang's running-request gauge are 0."""
-    prompt, _ = passkey_prompt(tokenizer, 1100, 0.5, 24680, header="Gauge check. ")
+    prompt, _ = passkey_prompt(tokenizer, 1200, 0.5, 24680, header="Gauge check. ")
     seen: dict = {}
     body = {
         "model": "x",
@@ -103,7 +104,7 @@ def test_running_gauges_return_to_zero_within_2_s(rel_server, tokenizer):
     with httpx.stream("POST", f"{rel_server.url}/v1/completions", json=body, headers=rel_server.headers,
                       timeout=600) as resp:  # fmt: skip
         for i, _ in enumerate(x for x in resp.iter_lines() if x.startswith("data: {")):
-            if i == 12:
+            if i == 45:
                 time.sleep(0.6)
                 seen = scrape_all(rel_server)
     t_end = time.monotonic()
@@ -138,7 +139,7 @@ def test_prometheus_scrapes_every_dashboard_series(rel_server, tokenizer, tmp_pa
     """A real Prometheus with the compose file's scrape config (docker/prometheus.yml), its target
     pointed at the live sidecar, has samples for every ``dd_`` series the Grafana dashboard queries,
     after one sparse request (the prefetch, speculation and transfer series need one)."""
-    prompt, _ = passkey_prompt(tokenizer, 1100, 0.5, 13579, header="Prometheus check. ")
+    prompt, _ = passkey_prompt(tokenizer, 1200, 0.5, 13579, header="Prometheus check. ")
     r = rel_server.post(
         "/v1/completions", {"model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0}
     )

@@ -27,7 +27,7 @@ def test_fully_cached_prompt_with_max_tokens_1(rel_server, server, tokenizer):
     """The same ~1,100-token prompt with max_tokens=1: cold, warm (device radix cache), and after a
     host-tier round trip (its device copy evicted, its host pages reloaded: REBUILD). Each time the one
     token equals the dense server's and the cached-token count is exact."""
-    prompt, n = passkey_prompt(tokenizer, 1100, 0.5, 42424, header="Fully cached check. ")
+    prompt, n = passkey_prompt(tokenizer, 1200, 0.5, 42424, header="Fully cached check. ")
     ids = tokenizer.encode(prompt)
     assert 1024 <= n
     first = generate(server, ids, 1)["output_ids"]
@@ -74,6 +74,12 @@ def test_cached_token_count_with_n_choices_warm(rel_server, tokenizer, n):
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == p - 1
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="SGLang 0.5.23 bug: for n > 1 its tokenizer manager first prefills the prompt alone to cache it, "
+    "then runs the n samples, which hit that cache; usage reports prompt - 1 cached tokens for a prompt "
+    "nobody sent before (managers/tokenizer_manager.py, _handle_batch_request)",
+)
 def test_cached_token_count_with_n_choices_cold(rel_server, tokenizer):
     """A prompt nobody sent before, with ``n`` = 3: none of its tokens came from the cache."""
     prompt = "Cold choice check. " + "List three uses of a lighthouse keeper's logbook. " * 12
@@ -86,7 +92,7 @@ def test_cached_token_count_with_n_choices_cold(rel_server, tokenizer):
 def test_flush_cache_right_after_a_request(rel_server, tokenizer):
     """``/flush_cache`` sent the moment a response arrives succeeds (the request is gone), and really
     empties both caches: the next identical request reports 0 cached tokens."""
-    prompt, n = passkey_prompt(tokenizer, 1100, 0.5, 90210, header="Flush check. ")
+    prompt, n = passkey_prompt(tokenizer, 1200, 0.5, 90210, header="Flush check. ")
     ids = tokenizer.encode(prompt)
     for _ in range(3):
         generate(rel_server, ids, 4)  # sparse: leaves a host prefix entry and a device radix copy
@@ -108,7 +114,7 @@ def test_prompt_logprobs_do_not_depend_on_request_order(rel_server, server, toke
     """Two prompts sharing a ~300-token prefix, asked for prompt logprobs cold, after each other and
     after themselves: every order gives the same logprobs bit for bit (a cached prefix must not change
     or drop them), and they match the dense server's within bf16 rounding."""
-    shared = "Notes from the harbour master. " * 40
+    shared = "Notes from the harbour master. " * 60
     a = tokenizer.encode(shared + "The ferry leaves at nine and returns at noon.")
     b = tokenizer.encode(shared + "Storms close the harbour twice every winter.")
     assert 300 < len(a) < 1024
