@@ -18,7 +18,7 @@ from bench.prompts import passkey_prompt
 from bench.server import ROOT, free_port, scrape, wait_idle
 from dd_sglang.metrics.catalog import dashboard_series
 
-from .geometry import API_KEY
+from .geometry import API_KEY, Sampler
 
 pytestmark = pytest.mark.server
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "dd_sglang.json"
@@ -88,29 +88,27 @@ def test_sidecar_killed_and_restarted(rel_server, tokenizer):
 
 
 def test_running_gauges_return_to_zero_within_2_s(rel_server, tokenizer):
-    """While a sparse request streams, the gauges show it (SGLang publishes its running-request gauge
-    every 40 decode steps: sampled at token 45); 2 s after its last token every
+    """While a sparse request streams 60 tokens, the gauges show it (sampled every 0.2 s; SGLang
+    publishes its running-request gauge every 40 decode steps); 2 s after its last token every
     ``dd_dualpath_requests`` state and SGLang's running-request gauge are 0."""
     prompt, _ = passkey_prompt(tokenizer, 1200, 0.5, 24680, header="Gauge check. ")
-    seen: dict = {}
     body = {
         "model": "x",
         "prompt": prompt,
-        "max_tokens": 24,
+        "max_tokens": 60,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", f"{rel_server.url}/v1/completions", json=body, headers=rel_server.headers,
-                      timeout=600) as resp:  # fmt: skip
-        for i, _ in enumerate(x for x in resp.iter_lines() if x.startswith("data: {")):
-            if i == 45:
-                time.sleep(0.6)
-                seen = scrape_all(rel_server)
-    t_end = time.monotonic()
-    assert seen['dd_dualpath_requests{state="DECODE_SPARSE"}'] == 1
-    running = next(v for k, v in seen.items() if k.startswith("sglang:num_running_reqs"))
-    assert running == 1
+    with Sampler(rel_server, ("dd_", "sglang:")) as s:
+        with httpx.stream("POST", f"{rel_server.url}/v1/completions", json=body, headers=rel_server.headers,
+                          timeout=600) as resp:  # fmt: skip
+            for _ in resp.iter_lines():
+                pass
+        t_end = time.monotonic()
+    assert max(x.get('dd_dualpath_requests{state="DECODE_SPARSE"}', 0) for x in s.samples) == 1
+    running = [v for x in s.samples for k, v in x.items() if k.startswith("sglang:num_running_reqs")]
+    assert max(running) == 1
     while True:
         m = scrape_all(rel_server)
         states = [v for k, v in m.items() if k.startswith("dd_dualpath_requests{")]

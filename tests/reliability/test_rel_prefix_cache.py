@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.prompts import passkey_prompt
-from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
+from bench.server import delta, flush_when_idle, scrape, wait_idle
 
 pytestmark = pytest.mark.server
 
@@ -51,7 +51,6 @@ def test_fully_cached_prompt_with_max_tokens_1(rel_server, server, tokenizer):
     assert rebuilt > 0, "the device copy was not evicted: no host-tier round trip happened"
     assert again["output_ids"] == first
     assert again["meta_info"]["cached_tokens"] == n - 1
-    assert transitions(after, "REBUILD", "PREFILL_FULL") - transitions(before, "REBUILD", "PREFILL_FULL") == 1
 
 
 def completion(srv, prompt: str, **kw) -> dict:
