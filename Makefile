@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.stamp-install
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint bench loadtest clean-model
+.PHONY: install model serve test lint bench loadtest gpu-check clean-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: model
 	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder
 	$(BIN)/python -m bench.capacity
 	$(BIN)/python -m bench.prefetch
+
+# Needs CUDA (and FlashInfer for the kernel under test); no model, no SGLang server.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check $(ARGS)
 
 clean-model:
 	$(BIN)/python -m dd_sglang.models clean

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -102,14 +103,28 @@ class ServerProcess:
         return rc, alive
 
 
-def scrape(metrics_url: str, prefix: str | tuple[str, ...] = "dd_") -> dict[str, float]:
+_RANK_LABEL = re.compile(r'dp_rank="[^"]*",?')
+
+
+def scrape(metrics_url: str, prefix: str | tuple[str, ...] = "dd_", by_rank: bool = False) -> dict[str, float]:
     """The sidecar's ``/metrics`` samples whose name starts with ``prefix`` (or one of several),
-    keyed by name with labels."""
-    out = {}
+    keyed by name with labels.
+
+    The sidecar labels every ``dd_`` sample with its data-parallel rank (``dp_rank``). Unless
+    ``by_rank``, that label is dropped and the ranks' samples are combined into the server's
+    total: summed, or the max for ``_max`` gauges.
+    """
+    out: dict[str, float] = {}
     for line in httpx.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(prefix) and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+        if not line.startswith(prefix) or line.startswith("#"):
+            continue
+        name, raw = line.rsplit(" ", 1)
+        value = float(raw)
+        if not by_rank and "dp_rank=" in name:
+            name = _RANK_LABEL.sub("", name).replace(",}", "}").replace("{}", "")
+            if name in out:
+                value = max(out[name], value) if name.split("{")[0].endswith("_max") else out[name] + value
+        out[name] = value
     return out
 
 

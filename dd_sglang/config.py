@@ -144,7 +144,10 @@ class PrefetchSection(_Strict):
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
     transfer kernel reading the pinned tier on the GPU, bounded blocks;
     ``staging``: host gather into pinned memory, one copy; ``cpu``; ``auto``:
-    ``kernel`` on CUDA where sgl_kernel imports, else ``staging``). A
+    ``kernel`` on CUDA where sgl_kernel imports, else ``staging``).
+    ``branches``: ``dual_token`` rides up to this many tokens; with 2, an argmax
+    whose probability is below ``confident`` rides with the runner-up and the
+    selector ranks by both queries at the same ``top_k``. A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
@@ -157,6 +160,8 @@ class PrefetchSection(_Strict):
     rerank: float = Field(4.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline"] = "auto"
     gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
+    branches: int = Field(1, ge=1, le=2)
+    confident: float = Field(0.9, ge=0.0, le=1.0)
 
 
 class DDConfig(_Strict):

@@ -15,6 +15,9 @@ Start-up, in order (every check runs before any SGLang process exists):
 4. Build SGLang's flags: preset values for every flag the command line does
    not give (loopback host, ``--max-total-tokens`` cap, ...).
 5. Check that SGLang's port and the metrics port are free (exit 2 if not).
+   On the CPU with more scheduler processes (``--dp-size x --tp-size``) than
+   NUMA nodes, give each its own cores through :data:`CPU_BIND_ENV` (SGLang
+   refuses to start otherwise), unless the environment sets it.
 6. Start ``python -m sglang.launch_server`` in a new process group with
    ``PROMETHEUS_MULTIPROC_DIR`` (a fresh folder) and the preset in
    ``DD_SGLANG_CONFIG_JSON``; SGLang loads dd_sglang's plugins in each of its
@@ -177,6 +180,50 @@ def with_cpu_dtype(argv: list[str], cpu: bool) -> list[str]:
     return [*argv, "--dtype", dtype]
 
 
+#: SGLang's CPU thread-binding variable (``sglang/srt/utils/numa_utils.py: init_threads_binding``).
+CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def parallel_ranks(argv: list[str]) -> int:
+    """Scheduler processes SGLang starts for ``argv``: ``--dp-size x --tp-size x --pp-size`` (1 each by default).
+
+    Raises:
+        ValueError: a size that is not an integer >= 1 (the message names the flag).
+    """
+    n = 1
+    for flag in ("--dp-size", "--tp-size", "--pp-size"):
+        raw = flag_value(argv, flag) or "1"
+        try:
+            size = int(raw)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {raw!r}")
+        n *= size
+    return n
+
+
+def cpu_threads_bind(ranks: int, cpus_by_node: list[str]) -> str | None:
+    """A value for :data:`CPU_BIND_ENV` giving each of ``ranks`` CPU scheduler processes its own cores.
+
+    SGLang 0.5.23 on the CPU refuses more ranks (``dp x tp x pp``) than NUMA nodes unless this
+    variable lists one ``|``-separated core set per rank (``numa_utils.py: init_threads_binding``).
+    ``cpus_by_node`` is SGLang's ``get_cpu_ids_by_node()`` (``["0,1,2,3", "4,5,6,7"]``). Returns
+    None when SGLang's default (one NUMA node per rank) already fits. The machine's cores are split
+    into ``ranks`` contiguous groups; with fewer cores than ranks, rank ``i`` gets core ``i mod n``.
+    """
+    if ranks <= len(cpus_by_node):
+        return None
+    cores = [c for node in cpus_by_node for c in node.split(",") if c]
+    if not cores:
+        return None
+    groups = []
+    for i in range(ranks):
+        part = cores[i * len(cores) // ranks : (i + 1) * len(cores) // ranks] or [cores[i % len(cores)]]
+        groups.append(",".join(part))
+    return "|".join(groups)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as ``host`` resolves). Raises ``OSError``."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -290,6 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     cpu = activate() is not None
     sglang_argv = with_cpu_dtype(sglang_argv, cpu)
     full_argv = build_sglang_argv(cfg, sglang_argv, model_path, cpu=cpu, served_name=served_name)
+    try:
+        ranks = parallel_ranks(full_argv)
+    except ValueError as err:
+        return _fail(str(err))
+    threads_bind = None
+    if cpu and ranks > 1 and CPU_BIND_ENV not in os.environ:
+        from sglang.srt.utils.common import get_cpu_ids_by_node
+
+        threads_bind = cpu_threads_bind(ranks, get_cpu_ids_by_node())
 
     host = flag_value(full_argv, "--host") or cfg.server.host
     raw_port = flag_value(full_argv, "--port") or cfg.server.port
@@ -328,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     env["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
     env[CONFIG_ENV] = json.dumps(cfg.model_dump())
     env.pop("SGLANG_USE_CPU_ENGINE", None)
+    if threads_bind is not None:
+        env[CPU_BIND_ENV] = threads_bind
+        logger.info("%d CPU scheduler processes: %s=%s", ranks, CPU_BIND_ENV, threads_bind)
     cmd = [sys.executable, "-m", "sglang.launch_server", *full_argv]
     logger.info("starting SGLang: %s", " ".join(cmd))
     t0 = time.monotonic()

@@ -7,6 +7,12 @@ SGLang's ``create_unified_radix_cache`` with the class
 :class:`dd_sglang.kvcache.radix.DualDecoderRadixCache`, plus the process's
 :class:`dd_sglang.kvcache.sparse_runtime.SparseRuntime` (host tier and DualPath
 bookkeeping), whose transitions are counted in ``dd_dualpath_transitions_total``.
+
+Each scheduler process (one per data-parallel rank and tensor-parallel rank)
+builds its own runtime over its own device pool with its share of
+``sparse.host_tier_bytes`` (:func:`dd_sglang.kvcache.ranks.host_tier_share`);
+transitions and reloaded tokens are counted by attention-TP rank 0 only (every
+TP rank of a replica sees the same requests).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def create_dualdecoder_radix_cache(ctx):
     from dd_sglang.kvcache import sparse_runtime
     from dd_sglang.kvcache.params import SparseParams
     from dd_sglang.kvcache.radix import DualDecoderRadixCache
+    from dd_sglang.kvcache.ranks import current_ranks, host_tier_share
     from dd_sglang.plugin.runtime import current_config
     from dd_sglang.prefetch.selectors import SELECTORS
     from dd_sglang.prefetch.speculators import SPECULATORS
@@ -65,17 +72,28 @@ def create_dualdecoder_radix_cache(ctx):
         )
     cache = create_unified_radix_cache(ctx, cache_class=DualDecoderRadixCache)
     allocator = ctx.params.token_to_kv_pool_allocator
-    runtime = sparse_runtime.SparseRuntime(
-        SparseParams(**current_config().sparse.model_dump()),
-        allocator.get_kvcache(),
-        allocator,
-        ctx.params.req_to_token_pool.req_to_token,
-        on_transition=_count_transition,
-        on_rebuild=_count_rebuild,
-        selectors=tuple(SELECTORS),
-        speculators=tuple(SPECULATORS),
-        speculator=current_config().prefetch.speculator,
-    )
+    ranks = current_ranks()
+    sparse = current_config().sparse.model_dump()
+    total = sparse["host_tier_bytes"]
+    sparse["host_tier_bytes"] = host_tier_share(total, ranks)
+    try:
+        runtime = sparse_runtime.SparseRuntime(
+            SparseParams(**sparse),
+            allocator.get_kvcache(),
+            allocator,
+            ctx.params.req_to_token_pool.req_to_token,
+            on_transition=_count_transition if ranks.primary else None,
+            on_rebuild=_count_rebuild if ranks.primary else None,
+            selectors=tuple(SELECTORS),
+            speculators=tuple(SPECULATORS),
+            speculator=current_config().prefetch.speculator,
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"sparse.host_tier_bytes {total} split over {ranks.processes} scheduler processes "
+            f"(dp_size {ranks.dp_size} x tp_size {ranks.tp_size}) leaves {sparse['host_tier_bytes']} "
+            f"bytes each: {err}"
+        ) from err
     cache.attach_runtime(runtime)
     sparse_runtime.set_current(runtime)
     return cache

@@ -101,7 +101,7 @@ def _attend_sets(q, k_all, v_all, sets):
 class Harness:
     """One request offloaded to the host tier, decoded step by step through the backend."""
 
-    def __init__(self, **overrides):
+    def __init__(self, prefetch: PrefetchParams | None = None, **overrides):
         p = params(page_size=16, n_keep=0, host_tier_bytes=2000 * PER_TOKEN, **overrides)
         self.rt, self.pool, self.alloc, self.r2t, self.req, self.tree, ok, ov = setup(p, PROMPT, 0)
         row = self.r2t[2, :PROMPT].long().clone()
@@ -113,16 +113,17 @@ class Harness:
         self.events = Events()
         self.backend = DualDecoderAttnBackend(
             DenseFake(), KVPool(self.pool), self.r2t, p, lambda: self.rt,
-            PrefetchParams(hit_rate_sample=0.0), self.events,
+            prefetch or PrefetchParams(hit_rate_sample=0.0), self.events,
         )  # fmt: skip
         self.gen = torch.Generator().manual_seed(11)
 
-    def step(self):
+    def step(self, tok: int | None = None):
         """Decode one token: returns (fb, q per layer [tokens, HQ, D], outputs per layer)."""
         pos = self.req.kv.kv_committed_len
         slot = self.alloc.alloc(1)
         self.r2t[2, pos] = slot.int()
-        tok = 5 + pos % 4  # the prompt repeats 5 6 7 8: prompt lookup proposes the next
+        if tok is None:
+            tok = 5 + pos % 4  # the prompt repeats 5 6 7 8: prompt lookup proposes the next
         fb = SimpleNamespace(
             forward_mode=_decode_mode(), batch_size=1, input_ids=torch.tensor([tok]),
             positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1]), req_pool_indices=torch.tensor([2]),
@@ -167,6 +168,25 @@ def test_top_k_covering_the_context_attends_to_every_token_with_the_speculated_p
     assert h.events.cold_n == 0  # every candidate fits: no selection at all
 
 
+def test_two_riding_tokens_each_read_the_context_and_their_own_kv():
+    """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, branches=2, confident=0.99), top_k=1000, selector="spec_host")
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded (random logits: unsure)
+    state = h.backend.runner.store.get("r1").spec
+    t1, p1, t2, _ = state.top[0]
+    assert p1 < 0.99
+    fb, qs, outs = h.step()  # the pattern's token was the one that rode: accepted, its top-2 ride now
+    assert state.branch == 0 and state.riding == (t1, t2)
+    assert fb.input_ids.tolist()[1:] == [t1, t2]
+    n = h.req.kv.kv_committed_len
+    for i in range(LAYERS):
+        q, k, v = qs[i]
+        for j in (1, 2):
+            ks, vs = torch.cat([h.k_all[i][:n], k[j : j + 1]]), torch.cat([h.v_all[i][:n], v[j : j + 1]])
+            torch.testing.assert_close(outs[i][j].double(), _attend(q[j], ks, vs), atol=1e-4, rtol=1e-4)
+
+
 def _topk_sets(q, k_all, cand, k):
     s = gqa_token_scores(q, k_all[cand], SCALE)
     return [set(cand[s[kv].topk(k).indices].tolist()) for kv in range(HKV)]
@@ -207,6 +227,29 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
 
 
+def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation():
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, rerank=100),
+                top_k=24, selector="spec_host_exact")  # fmt: skip
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    cand_prev = h.st.host_candidates()
+    _, qs_prev, _ = h.step()
+    resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+    cand = h.st.host_candidates()
+    fb, qs, outs = h.step(tok=99)  # not the speculated token: rejected, repaired
+    assert fb.dd_step is None
+    for i in range(LAYERS):
+        chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)
+        q = qs[i][0][0]
+        s = gqa_token_scores(q, h.k_all[i][cand], SCALE)
+        sets = []
+        for kv in range(HKV):
+            order = cand[s[kv].argsort(descending=True)].tolist()
+            extra = [p for p in order if p not in chosen[kv]][:8]  # the best 8 not prefetched
+            sets.append(chosen[kv] | set(extra) | set(resident))
+        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
 def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     h = Harness(top_k=1000, selector="spec_host")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
@@ -216,14 +259,17 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     )  # fmt: skip
     h.backend.init_forward_metadata(fb)
     plan = fb.dd_step.plan
-    assert len(plan.spec_states) == 1 and isinstance(plan.spec_states[0], SpecState)
+    assert len(plan.spec_states) == 1 and isinstance(plan.spec_states[0][0], SpecState)
     logits = torch.randn(2, 11)
     hidden = torch.randn(2, 7)
     out = SimpleNamespace(next_token_logits=logits, hidden_states=hidden)
     h.backend.runner.end_step()
     finish_step(out, fb)
     assert torch.equal(out.next_token_logits, logits[:1]) and torch.equal(out.hidden_states, hidden[:1])
-    assert plan.spec_states[0].argmax == int(logits[1].argmax())
+    top = torch.softmax(logits[1], -1).topk(2)
+    state, i = plan.spec_states[0]
+    assert state.top[i][0] == int(top.indices[0]) and state.top[i][2] == int(top.indices[1])
+    assert abs(state.top[i][1] - float(top.values[0])) < 1e-6
     assert fb.dd_step is None
     finish_step(out, fb)  # a second logits call of the same batch is left alone
     assert out.next_token_logits.shape[0] == 1

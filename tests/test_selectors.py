@@ -173,3 +173,22 @@ def test_unknown_selector_and_bad_k_are_refused():
         make_selector("oracle").select(torch.zeros(1, HQ, D), rows, host_k[0], 0, SCALE)
     with pytest.raises(ValueError, match="needs a KeyBlockIndex"):
         make_selector("spec_host").select(torch.zeros(1, HQ, D), rows, host_k[0], 4, SCALE)
+
+
+def test_two_riding_queries_rank_by_the_max_of_their_scores():
+    """Two speculated positions' queries join each KV head's group: the set is the top-k of the max of
+    the two queries' scores (same budget k), as built by the runner from the step's tokens."""
+    from dd_sglang.prefetch.runner import _selection_queries
+
+    lens, his, k = [300], [260], 20
+    host_k, slots, rows, _ = _rows(lens, his, seed=9)
+    g = torch.Generator().manual_seed(10)
+    q3 = torch.randn(3, HQ, D, generator=g)  # tokens: the real row, then two riding positions
+    q = _selection_queries(q3, torch.tensor([[1, 2]]), HKV)
+    assert q.shape == (1, 2 * HQ, D)
+    pos, _ = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)
+    cand = torch.arange(4, 260)
+    keys = host_k[0][slots[0][cand]]
+    both = torch.maximum(gqa_token_scores(q3[1], keys, SCALE), gqa_token_scores(q3[2], keys, SCALE))
+    for h in range(HKV):
+        assert set(pos[0, h].tolist()) == set(cand[both[h].topk(k).indices].tolist())

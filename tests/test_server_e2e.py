@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from bench.prompts import passkey_prompt
+from bench.server import scrape
 
 pytestmark = pytest.mark.server
 
@@ -31,13 +32,8 @@ def _post(server, path, payload, timeout=300):
 
 
 def _dd_metrics(server) -> dict[str, float]:
-    text = httpx.get(f"{server.metrics_url}/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("dd_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    """The sidecar's ``dd_`` samples, the server's totals (the ``dp_rank`` label folded)."""
+    return scrape(server.metrics_url)
 
 
 @pytest.mark.parametrize(

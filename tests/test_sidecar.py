@@ -30,12 +30,14 @@ def test_metrics_and_stats_merge_processes(tmp_path):
     _write_metrics(tmp_path, 2)
     client = TestClient(create_app(sglang_url="http://127.0.0.1:9", multiproc_dir=str(tmp_path), preset="t"))
     text = client.get("/metrics").text
-    # livesum across the two writer processes
-    assert "dd_device_kv_capacity_bytes 4.608e+06" in text
-    assert 'dd_dualpath_requests{state="DENSE"} 4.0' in text
+    # livesum across the two writer processes (neither registered a rank: data-parallel rank 0)
+    assert 'dd_device_kv_capacity_bytes{dp_rank="0"} 4.608e+06' in text
+    assert 'dd_dualpath_requests{dp_rank="0",state="DENSE"} 4.0' in text
     stats = client.get("/stats").json()
     assert stats["preset"] == "t"
-    assert stats["metrics"]["dd_device_kv_used_bytes"] == [{"labels": {}, "value": 2 * 7 * 23040.0}]
+    assert stats["metrics"]["dd_device_kv_used_bytes"] == [
+        {"labels": {"dp_rank": "0"}, "value": 2 * 7 * 23040.0}
+    ]
 
 
 def test_healthz_503_when_sglang_unreachable(tmp_path):

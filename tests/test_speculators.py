@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dd_sglang.prefetch.speculators import (
     SPECULATORS,
     DualTokenSpeculator,
     NgramSpeculator,
     NoSpeculator,
     SpecState,
+    make_speculator,
     ngram_propose,
     verify,
 )
@@ -38,22 +41,43 @@ def test_ngram_none_without_recurrence_and_incremental_index():
 
 def test_dual_token_uses_the_argmax_only_after_an_accepted_speculation():
     spec = DualTokenSpeculator()
-    assert spec.propose([1, 2, 42], SpecState(riding=42, argmax=77)) == 77  # 42 rode along and was real
-    assert spec.propose([5, 9, 1, 5, 42], SpecState(riding=41, argmax=77)) is None  # rejected, no n-gram
-    assert spec.propose([5, 9, 1, 5], SpecState(riding=41, argmax=77)) == 9  # rejected: prompt lookup
-    assert spec.propose([5, 9, 1, 5], SpecState()) == 9  # first sparse step: prompt lookup
+    accepted = SpecState(riding=(42,), top=[(77, 0.5, 78, 0.3)], branch=0)
+    assert spec.propose([1, 2, 42], accepted) == (77,)  # 42 rode along and was real
+
+    def rejected():
+        return SpecState(riding=(41,), top=[(77, 0.5, 78, 0.3)], branch=None)
+
+    assert spec.propose([5, 9, 1, 5, 42], rejected()) == ()  # rejected, no n-gram
+    assert spec.propose([5, 9, 1, 5], rejected()) == (9,)  # rejected: prompt lookup
+    assert spec.propose([5, 9, 1, 5], SpecState()) == (9,)  # first sparse step: prompt lookup
+
+
+def test_dual_token_with_two_branches_rides_the_runner_up_only_when_unsure():
+    spec = DualTokenSpeculator(branches=2, confident=0.6)
+    unsure = SpecState(riding=(3, 42), top=[(10, 0.9, 11, 0.05), (77, 0.5, 78, 0.3)], branch=1)
+    assert spec.propose([1, 42], unsure) == (77, 78)  # the second riding token was real; 0.5 < 0.6
+    sure = SpecState(riding=(42,), top=[(77, 0.8, 78, 0.1)], branch=0)
+    assert spec.propose([1, 42], sure) == (77,)
+    for bad in ({"branches": 3}, {"confident": 1.5}):
+        with pytest.raises(ValueError):
+            DualTokenSpeculator(**bad)
+    assert make_speculator("dual_token", 2, 0.6).branches == 2
+    with pytest.raises(ValueError, match="speculator must be one of"):
+        make_speculator("psychic")
 
 
 def test_none_and_ngram_speculators():
-    assert NoSpeculator().propose([1, 2, 1], SpecState()) is None
-    assert NgramSpeculator().propose([1, 2, 1], SpecState()) == 2
+    assert NoSpeculator().propose([1, 2, 1], SpecState()) == ()
+    assert NgramSpeculator().propose([1, 2, 1], SpecState()) == (2,)
 
 
-def test_verify_counts_acceptance():
+def test_verify_finds_the_riding_token_that_was_real_and_counts():
     st = SpecState()
-    assert verify(st, 5) is None and st.proposed == 0
-    st.riding = 5
-    assert verify(st, 5) is True
-    st.riding = 6
-    assert verify(st, 5) is False
-    assert (st.proposed, st.accepted) == (2, 1)
+    assert verify(st, 5) is None and st.proposed == 0 and st.branch is None
+    st.riding = (5,)
+    assert verify(st, 5) is True and st.branch == 0
+    st.riding = (6, 5)
+    assert verify(st, 5) is True and st.branch == 1
+    st.riding = (6,)
+    assert verify(st, 5) is False and st.branch is None
+    assert (st.proposed, st.accepted) == (3, 2)

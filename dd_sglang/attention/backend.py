@@ -15,7 +15,8 @@
     plan rides on the batch as ``forward_batch.dd_plan``.
   - ``forward_decode`` (per layer): write the new K/V, run the dense rows, get
     the layer's inputs from the runner (wait for its copy), one batched sparse
-    attention call (:func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`),
+    attention call (:class:`dd_sglang.kernels.dispatch.SparseAttention`: FlashInfer
+    on CUDA, the PyTorch reference elsewhere; planned once per step after the plan),
     hand the layer back (next-step selection is queued there).
 
 With ``top_k`` at least the context, a sparse row attends to its whole context
@@ -43,7 +44,8 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from dd_sglang.kernels.sparse_decode import sparse_decode_attention, unfold_gqa
+from dd_sglang.kernels.dispatch import SparseAttention
+from dd_sglang.kernels.sparse_decode import unfold_gqa
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 from dd_sglang.prefetch.params import PrefetchParams
@@ -80,8 +82,8 @@ def finish_step(output, forward_batch) -> None:
 
     Cuts the speculated positions' rows from ``output`` (``next_token_logits`` goes from
     ``[batch_size + n_spec, vocab]`` to ``[batch_size, vocab]``, hidden states alike),
-    storing each one's argmax in its request's ``SpecState`` (``dual_token``), and reports
-    the step's time. A no-op for batches this backend did not plan.
+    storing each one's two most likely next tokens and their probabilities in its request's
+    ``SpecState`` (``dual_token``), and reports the step's time. A no-op for batches this backend did not plan.
     """
     step = getattr(forward_batch, "dd_step", None)
     if not isinstance(step, _DecodeStep):
@@ -92,9 +94,9 @@ def finish_step(output, forward_batch) -> None:
     if plan is not None and plan.spec_states and logits is not None:
         n, extra = plan.batch_size, len(plan.spec_states)
         if logits.shape[0] == n + extra:
-            toks = logits[n:].argmax(dim=-1).tolist()
-            for state, tok in zip(plan.spec_states, toks, strict=True):
-                state.argmax = int(tok)
+            top = torch.softmax(logits[n:].float(), dim=-1).topk(2, dim=-1)
+            for (state, i), p, t in zip(plan.spec_states, top.values.tolist(), top.indices.tolist(), strict=True):
+                state.top[i] = (t[0], p[0], t[1], p[1])
             output.next_token_logits = logits[:n]
             hs = getattr(output, "hidden_states", None)
             if isinstance(hs, torch.Tensor) and hs.shape[0] == n + extra:
@@ -139,6 +141,8 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.prefetch = prefetch or PrefetchParams()
         self.events = events or BackendEvents()
         self.runner: SparseStepRunner | None = None
+        k0 = token_to_kv_pool.get_key_buffer(getattr(token_to_kv_pool, "start_layer", 0))
+        self.attention = SparseAttention(k0.device)
         try:
             from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -171,6 +175,10 @@ class DualDecoderAttnBackend(AttentionBackend):
         if rt is not None and rt.by_pool:
             runner = self._runner_for(rt)
             plan = runner.plan(forward_batch, rt)
+            if plan is not None:
+                ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
+                _, _, hkv, columns, head_dim = ring.shape
+                self.attention.plan(plan.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
             rt.ring_buffer_bytes = runner.ring.nbytes
             rt.critical_buffer_bytes = runner.critical_bytes(plan)
             rt.selector_aux = runner.aux_bytes()
@@ -244,17 +252,18 @@ class DualDecoderAttnBackend(AttentionBackend):
         lid = layer.layer_id
         hl = lid - getattr(self.token_to_kv_pool, "start_layer", 0)
         runner = self.runner
-        qf, keys, values, mask = runner.layer_inputs(
+        qf, keys, values = runner.layer_inputs(
             plan, hl, q3, k3, v3,
             self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
             layer.scaling,
         )  # fmt: skip
         t1 = time.perf_counter()
-        o = unfold_gqa(sparse_decode_attention(qf, keys, values, mask, layer.scaling), 2).to(out.dtype)
+        o = unfold_gqa(self.attention.run(qf, keys, values, layer.scaling), plan.positions)
+        o = o.to(out.dtype)
         step.attention_s += time.perf_counter() - t1
         out[plan.rows.to(out.device)] = o[:, 0]
         if plan.spec_rows.numel():
-            out[plan.spec_tokens] = o[plan.spec_rows, 1]
+            out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
         runner.layer_done(plan, hl, q3, layer.scaling)
         self.events.sparse_rows(plan.num_rows)
         return out.view(-1, hq * dv)

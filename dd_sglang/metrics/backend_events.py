@@ -12,18 +12,38 @@ from __future__ import annotations
 
 class MetricsEvents:
     """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_prefetch_*``,
-    ``dd_spec_*`` and ``dd_transfer_*``."""
+    ``dd_spec_*`` and ``dd_transfer_*``.
 
-    def __init__(self):
-        from dd_sglang.metrics import definitions
+    With tensor parallelism every TP rank of a replica runs the same requests and steps over its
+    own KV heads. Per-(request, layer) and per-step counts and step times (sparse rows, cold
+    steps, misses, speculation, decode steps and their phases) are then written by the
+    attention-TP rank 0 only (``primary``), so they count each request and step once; per-KV-head
+    sums (prefetch hits, lookups, mass, repaired tokens, bytes copied) and each rank's own copy
+    timings are written by every rank and add up.
 
-        self.m = definitions
+    Args:
+        primary: this process counts request-level events (default: from SGLang's ranks,
+            :func:`dd_sglang.kvcache.ranks.current_ranks`).
+        metrics: the metric definitions module (default :mod:`dd_sglang.metrics.definitions`).
+    """
+
+    def __init__(self, primary: bool | None = None, metrics=None):
+        if metrics is None:
+            from dd_sglang.metrics import definitions as metrics
+        if primary is None:
+            from dd_sglang.kvcache.ranks import current_ranks
+
+            primary = current_ranks().primary
+        self.m = metrics
+        self.primary = primary
 
     def sparse_rows(self, n: int) -> None:
-        self.m.SPARSE_DECODE_ROWS.inc(n)
+        if self.primary:
+            self.m.SPARSE_DECODE_ROWS.inc(n)
 
     def cold(self, selector: str, n: int) -> None:
-        self.m.PREFETCH_COLD.labels(selector=selector).inc(n)
+        if self.primary:
+            self.m.PREFETCH_COLD.labels(selector=selector).inc(n)
 
     def prefetch(self, selector, speculator, layer, hits, lookups, mass_prefetched, mass_top_k) -> None:
         m, lab = self.m, {"selector": selector, "speculator": speculator}
@@ -34,12 +54,15 @@ class MetricsEvents:
         m.PREFETCH_LAYER_HIT_RATE.labels(layer=str(layer)).observe(hits / lookups)
 
     def speculation(self, speculator: str, accepted: bool) -> None:
+        if not self.primary:
+            return
         self.m.SPEC_PROPOSED.labels(speculator=speculator).inc()
         if accepted:
             self.m.SPEC_ACCEPTED.labels(speculator=speculator).inc()
 
     def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
-        self.m.PREFETCH_MISSES.labels(policy=policy).inc(n)
+        if self.primary:
+            self.m.PREFETCH_MISSES.labels(policy=policy).inc(n)
         if repaired_tokens:
             self.m.PREFETCH_REPAIRED_TOKENS.inc(repaired_tokens)
 
@@ -47,11 +70,13 @@ class MetricsEvents:
         self.m.TRANSFER_BYTES.inc(nbytes)
 
     def phase(self, name: str, seconds: float) -> None:
-        self.m.STEP_PHASE_SECONDS.labels(phase=name).inc(seconds)
+        if self.primary:
+            self.m.STEP_PHASE_SECONDS.labels(phase=name).inc(seconds)
 
     def step(self, kind: str, seconds: float) -> None:
-        self.m.DECODE_STEPS.labels(kind=kind).inc()
-        self.m.DECODE_STEP_SECONDS.labels(kind=kind).inc(seconds)
+        if self.primary:
+            self.m.DECODE_STEPS.labels(kind=kind).inc()
+            self.m.DECODE_STEP_SECONDS.labels(kind=kind).inc(seconds)
 
     def transfer(self, timings) -> None:
         m = self.m

@@ -125,6 +125,8 @@ def render() -> str:
         "mode, next to SGLang's own `sglang:` series (with `--enable-metrics`; see SGLang's",
         "documentation). `/stats` returns the same `dd_` samples as JSON. `/metrics` and `/healthz`",
         "need no key; with SGLang's `--api-key`, `/stats` needs `Authorization: Bearer <key>`.",
+        "Besides the labels below, the sidecar labels every `dd_` sample with its data-parallel rank",
+        "(`dp_rank`; `sum without (dp_rank)` gives the server's total).",
         "",
         f"{len(rows)} metrics. Counters are exported as `<name>_total`; histograms as `_bucket`, "
         "`_sum` and `_count`. Gauges are refreshed by the scheduler after each batch, at most every "

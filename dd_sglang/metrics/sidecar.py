@@ -10,8 +10,9 @@ Routes:
 
 * ``GET /metrics``: Prometheus text format, merged across every SGLang process
   from ``$PROMETHEUS_MULTIPROC_DIR`` by ``prometheus_client.multiprocess``:
-  the ``dd_`` series (:mod:`dd_sglang.metrics.definitions`) and SGLang's own
-  ``sglang:`` series when ``--enable-metrics`` is on.
+  the ``dd_`` series (:mod:`dd_sglang.metrics.definitions`), each labelled
+  ``dp_rank`` (merged per data-parallel rank: :mod:`dd_sglang.metrics.ranks`),
+  and SGLang's own ``sglang:`` series when ``--enable-metrics`` is on.
 * ``GET /healthz``: 200 ``{"status": "ok"}`` only when SGLang's ``/health``
   answers 200 within ``health_timeout_s`` seconds; else 503 with the reason.
 * ``GET /stats``: JSON snapshot: the ``dd_`` samples grouped by metric
@@ -76,10 +77,11 @@ def acceptance_rates(samples: dict) -> dict[str, float]:
 
 def _registry(multiproc_dir: str):
     from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from dd_sglang.metrics.ranks import RankMergingCollector
 
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=multiproc_dir)
+    RankMergingCollector(multiproc_dir, registry)  # dd_ series per data-parallel rank (label dp_rank)
     return registry
 
 

@@ -37,10 +37,21 @@ def _scheduler_metrics(attn_tp_rank: int):
     return SchedulerMetrics(current_config().metrics.update_interval_s, report_requests=attn_tp_rank == 0)
 
 
+@cache
+def _register_rank() -> None:
+    """Once per scheduler process: record its DP/TP rank for the sidecar (:mod:`dd_sglang.metrics.ranks`)."""
+    from dd_sglang.kvcache.ranks import current_ranks
+    from dd_sglang.metrics.ranks import register_process
+
+    ranks = current_ranks()
+    register_process(os.environ.get("PROMETHEUS_MULTIPROC_DIR"), ranks.dp_rank, ranks.tp_rank)
+
+
 def refresh_scheduler_metrics(scheduler, force: bool = False) -> None:
     """Publish the scheduler's device-tier gauges; never raises into SGLang."""
     global _failed_once
     try:
+        _register_rank()
         rank = int(getattr(scheduler, "attn_tp_rank", getattr(scheduler, "tp_rank", 0)) or 0)
         _scheduler_metrics(rank).maybe_update(scheduler, force=force)
     except Exception:  # a metrics bug must not stop serving

@@ -25,6 +25,9 @@ class PrefetchParams:
         transfer: ``worker`` (copies on the copy worker, overlapping the layers before) or
             ``inline`` (on the forward thread when the layer needs them); ``auto``: ``worker``
             on CUDA, ``inline`` on a CPU device.
+        branches: ``dual_token`` rides up to this many tokens (1 or 2): with 2, an unconfident
+            argmax rides with the second most likely token and the selector ranks by both.
+        confident: top-1 probability at or above which one token rides.
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
             ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
             ``staging`` (CUDA: host gather into pinned staging, then one copy).
@@ -38,3 +41,5 @@ class PrefetchParams:
     rerank: float = 4.0
     transfer: str = "auto"
     gather: str = "auto"
+    branches: int = 1
+    confident: float = 0.9

@@ -114,8 +114,8 @@ class PredictionStore:
 class SelectionGroup:
     """Rows that one selector serves at once.
 
-    ``rows``: ``[n]`` int64 plan rows; ``query``: ``[n]`` int64 token indices of the queries
-    that drive the selection (a speculated position or the real one); ``blocks``: their
+    ``rows``: ``[n]`` int64 plan rows; ``query``: ``[n, Q]`` int64 token indices of the queries
+    that drive the selection (the speculated positions, or the real one); ``blocks``: their
     :class:`RowBlocks`; ``k``: the largest ``top_k`` among them (columns past a row's own
     ``top_k`` are masked); ``dest``: for next-step selections, the rows' indices in
     :attr:`NextSets.rids`.
@@ -147,12 +147,14 @@ class StepPlan:
         k: critical-set columns (the largest ``top_k``).
         n_res: resident columns; ``res_slots``: ``[R, n_res]`` int64 device slots (device).
         repair_rows: ``[n]`` int64 plan rows that repair a miss; ``repair_budget`` columns each.
-        qidx: ``[R, 2]`` int64 token index of each row's real and speculated query (the real
-            one again where none rides), device.
-        spec_rows, spec_tokens: ``[S]`` int64 plan rows with a speculated position and that
-            position's token index (device).
-        spec_states: the :class:`SpecState` of each speculated position, in token order.
-        mask: ``[R, 2, columns]`` bool (device): columns each row's real / speculated query reads.
+        positions: query positions per row, ``1 + S`` (the real one, then up to ``S``
+            speculated ones: 0, 1, or 2 with ``prefetch.branches: 2``).
+        qidx: ``[R, positions]`` int64 token index of each row's queries (the real one again
+            where fewer tokens ride), device.
+        spec_rows, spec_slots, spec_tokens, spec_cols: ``[T]`` int64 per speculated token: its
+            plan row, its query position (1..S), its token index and its own K/V column (device).
+        spec_states: per speculated token, in token order, ``(SpecState, riding index)``.
+        mask: ``[R, positions, columns]`` bool (device): the columns each row's queries read.
         top_k: ``[R]`` int64 each row's critical-set budget.
         sampled: ``[n]`` int64 ahead rows whose prefetch hit rate this step measures.
         rejected: per plan row, its speculated token was rejected this step.
@@ -175,10 +177,13 @@ class StepPlan:
     res_slots: torch.Tensor
     repair_rows: torch.Tensor
     repair_budget: int
+    positions: int
     qidx: torch.Tensor
     spec_rows: torch.Tensor
+    spec_slots: torch.Tensor
     spec_tokens: torch.Tensor
-    spec_states: tuple[SpecState, ...]
+    spec_cols: torch.Tensor
+    spec_states: tuple[tuple[SpecState, int], ...]
     mask: torch.Tensor
     top_k: torch.Tensor
     sampled: torch.Tensor
@@ -192,8 +197,8 @@ class StepPlan:
 
     @property
     def columns(self) -> int:
-        """Attention columns per row: resident, critical, repair, the speculated token's own."""
-        return self.n_res + self.k + self.repair_budget + 1
+        """Attention columns per row: resident, critical, repair, one per speculated position."""
+        return self.n_res + self.k + self.repair_budget + max(self.positions - 1, 1)
 
 
 @dataclass
@@ -206,7 +211,7 @@ class _Row:
     cand: torch.Tensor
     token: int = 0
     position: int = 0
-    spec_token: int | None = None
+    spec_tokens: tuple[int, ...] = ()
     rejected: bool = False
     kind: str = "sync"  # ahead | full | sync
 
@@ -248,21 +253,30 @@ def _speculate(rows: list[_Row], inp: PlanInputs, on_verify) -> None:
             on_verify(r.st.speculator, ok)
         r.rejected = ok is False
         tok = inp.speculators[r.st.speculator].propose(_history(r.st, r.token), r.pred.spec)
-        r.pred.spec.riding, r.pred.spec.argmax = tok, None
-        r.spec_token = tok
+        r.pred.spec.riding, r.pred.spec.top = tok, [None] * len(tok)
+        r.spec_tokens = tok
+
+
+def _index_locations(r: _Row) -> tuple[str, ...]:
+    """Where a row's blocks must be summarised: its selector's index, and the host index for every
+    lookahead row (a repair ranks the real query there)."""
+    if r.kind == "full":
+        return ()
+    locs = {r.selector.index_location} - {None}
+    if r.selector.lookahead:
+        locs.add("host")
+    return tuple(sorted(locs))
 
 
 def _update_indexes(rows: list[_Row], inp: PlanInputs, host_len) -> None:
-    """Summarise newly offloaded / flushed positions in the block index each selector reads."""
+    """Summarise newly offloaded / flushed positions in the block indexes the rows read."""
     for r in rows:
-        loc = r.selector.index_location
-        if loc is None or r.kind == "full":
-            continue
-        done = r.pred.indexed.get(loc, 0)
-        n = host_len(r)
-        if n > done:
-            inp.make_index(loc).update(r.st.host_slots, done, n)
-            r.pred.indexed[loc] = n
+        for loc in _index_locations(r):
+            done = r.pred.indexed.get(loc, 0)
+            n = host_len(r)
+            if n > done:
+                inp.make_index(loc).update(r.st.host_slots, done, n)
+                r.pred.indexed[loc] = n
 
 
 def _pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -340,16 +354,19 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         [min(r.st.win_start, r.st.host_len) for r in rows],
         [r.st.keep_pos for r in rows],
     )
-    # Speculated positions ride as extra tokens of the batch.
-    spec = [(j, r) for j, r in enumerate(rows) if r.spec_token is not None]
+    # Speculated positions ride as extra tokens of the batch, row by row, after the real rows.
     device = fb.input_ids.device
+    n_spec = max((len(r.spec_tokens) for r in rows), default=0)
+    positions = 1 + n_spec
+    spec = [(j, s, tok) for j, r in enumerate(rows) for s, tok in enumerate(r.spec_tokens)]
     if spec:
-        fb.input_ids = torch.cat([fb.input_ids[:bs], torch.tensor([r.spec_token for _, r in spec],
+        fb.input_ids = torch.cat([fb.input_ids[:bs], torch.tensor([t for _, _, t in spec],
                                  dtype=fb.input_ids.dtype, device=device)])  # fmt: skip
-        fb.positions = torch.cat([fb.positions[:bs], torch.tensor([r.position + 1 for _, r in spec],
+        fb.positions = torch.cat([fb.positions[:bs], torch.tensor([rows[j].position + 1 for j, _, _ in spec],
                                  dtype=fb.positions.dtype, device=fb.positions.device)])  # fmt: skip
-    spec_tok = {j: bs + s for s, (j, _) in enumerate(spec)}
-    qidx = torch.tensor([[r.batch_row, spec_tok.get(j, r.batch_row)] for j, r in enumerate(rows)])
+    spec_tok = {(j, s): bs + i for i, (j, s, _) in enumerate(spec)}
+    qidx = torch.tensor([[r.batch_row] + [spec_tok.get((j, s), spec_tok.get((j, 0), r.batch_row))
+                                          for s in range(n_spec)] for j, r in enumerate(rows)])  # fmt: skip
     groups = _groups(rows, range(n_fixed, n), blocks, qidx, use_spec=False)
     ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
     ahead = _groups(rows, ahead_rows, blocks, qidx, use_spec=True)
@@ -364,7 +381,9 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     res_slots = _pad_stack(
         [inp.req_to_token[int(pool_idx[r.batch_row])][r.dev_pos.to(inp.req_to_token.device)].long().cpu()
          for r in rows], n_res)  # fmt: skip
-    mask = _mask(rows, n_res, k, budget, set(repair), spec_tok)
+    spec_cols = max(n_spec, 1)
+    cols = n_res + k + budget + spec_cols
+    mask = _mask(rows, n_res, k, budget, set(repair), positions, cols)
     sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
     return StepPlan(
         rows=torch.tensor([r.batch_row for r in rows], dtype=torch.int64),
@@ -382,10 +401,13 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         res_slots=res_slots.to(device),
         repair_rows=torch.tensor(repair, dtype=torch.int64),
         repair_budget=budget,
+        positions=positions,
         qidx=qidx.to(device),
-        spec_rows=torch.tensor([j for j, _ in spec], dtype=torch.int64, device=device),
-        spec_tokens=torch.tensor([spec_tok[j] for j, _ in spec], dtype=torch.int64, device=device),
-        spec_states=tuple(r.pred.spec for _, r in spec),
+        spec_rows=torch.tensor([j for j, _, _ in spec], dtype=torch.int64, device=device),
+        spec_slots=torch.tensor([s + 1 for _, s, _ in spec], dtype=torch.int64, device=device),
+        spec_tokens=torch.tensor([spec_tok[(j, s)] for j, s, _ in spec], dtype=torch.int64, device=device),
+        spec_cols=torch.tensor([cols - spec_cols + s for _, s, _ in spec], dtype=torch.int64, device=device),
+        spec_states=tuple((rows[j].pred.spec, s) for j, s, _ in spec),
         mask=mask.to(device),
         top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
         sampled=torch.tensor(sampled, dtype=torch.int64),
@@ -401,7 +423,12 @@ def _lo(r: _Row) -> int:
 
 
 def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool) -> list:
-    """Group plan rows ``which`` by selector (one selection call per group and layer)."""
+    """Group plan rows ``which`` by selector (one selection call per group and layer).
+
+    A group's queries: the speculated positions (all of them: the selector ranks by every
+    riding token's query at once) for a selector that reads them when ``use_spec``, else the
+    real one.
+    """
     by_name: dict[str, list[int]] = {}
     for j in which:
         by_name.setdefault(rows[j].selector.name, []).append(j)
@@ -410,23 +437,25 @@ def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_
     for js in by_name.values():
         sel = rows[js[0]].selector
         idx = torch.tensor(js, dtype=torch.int64)
-        q = qidx[idx, 1 if use_spec and sel.uses_speculator else 0]
+        spec = use_spec and sel.uses_speculator and qidx.shape[1] > 1
+        q = qidx[idx, 1:] if spec else qidx[idx, :1]
         dest = torch.tensor([order[j] for j in js], dtype=torch.int64)
         out.append(SelectionGroup(sel, idx, q, blocks.take(idx), max(rows[j].st.top_k for j in js), dest))
     return out
 
 
-def _mask(rows: list[_Row], n_res: int, k: int, budget: int, repair: set, spec_tok: dict) -> torch.Tensor:
-    """``[R, 2, columns]`` bool: resident, critical (row's own length), repair, own speculated column."""
+def _mask(rows: list[_Row], n_res: int, k: int, budget: int, repair: set, positions: int, cols: int) -> torch.Tensor:
+    """``[R, positions, cols]`` bool: resident, critical (row's own length), repair, then each
+    speculated position's own column (read by that position only)."""
     n = len(rows)
-    cols = n_res + k + budget + 1
-    m = torch.zeros(n, 2, cols, dtype=torch.bool)
+    m = torch.zeros(n, positions, cols, dtype=torch.bool)
+    first_own = cols - max(positions - 1, 1)
     for j, r in enumerate(rows):
         m[j, :, : r.dev_pos.numel()] = True
         kk = r.cand.numel() if r.kind == "full" else r.st.top_k
         m[j, :, n_res : n_res + kk] = True
         if j in repair:
             m[j, :, n_res + k : n_res + k + budget] = True
-        if j in spec_tok:
-            m[j, 1, cols - 1] = True
+        for s in range(len(r.spec_tokens)):
+            m[j, 1 + s, first_own + s] = True
     return m

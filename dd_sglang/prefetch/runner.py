@@ -3,7 +3,7 @@
 The attention backend calls, per decode step and layer::
 
     plan = runner.plan(forward_batch, runtime)        # once per step (init_forward_metadata)
-    q, K, V, mask = runner.layer_inputs(plan, ...)    # per layer, before attention
+    q, K, V = runner.layer_inputs(plan, ...)          # per layer, before attention
     ...one sparse attention call over every sparse row...
     runner.layer_done(plan, layer, q3)                # per layer, after attention
 
@@ -16,7 +16,8 @@ The attention backend calls, per decode step and layer::
    in the batch) and the *repair* columns of rows whose speculation missed;
 3. gathers the resident set from the device pool (one index per K and V) and
    writes each speculated position's own K/V into its column;
-4. returns the folded queries, the slot's K/V and the mask.
+4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
+   columns each query reads).
 
 ``layer_done`` hands the slot back (the next copy reuses it) and queues, on the
 select worker, the choice of the next step's sets from this layer's queries
@@ -43,7 +44,7 @@ from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
 from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
-from dd_sglang.prefetch.speculators import SPECULATORS
+from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
 
 
 class PrefetchEvents:
@@ -76,6 +77,17 @@ class PrefetchEvents:
 
 
 _NO_EVENTS = PrefetchEvents()
+
+
+def _selection_queries(q3: torch.Tensor, query: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The queries that drive a selection, ``[n, Hkv x Q x group, D]``, grouped by KV head.
+
+    ``query``: ``[n, Q]`` token indices (``Q`` riding positions, or the real one). Every query of
+    a KV head joins that head's GQA group, so a selector's max over the group ranks by all ``Q``
+    queries at once, at the same budget ``k``.
+    """
+    sel = fold_gqa(q3[query.to(q3.device)].detach(), hkv)  # [n, Hkv, Q x group, D]
+    return sel.reshape(sel.shape[0], -1, sel.shape[3])
 
 
 class SparseStepRunner:
@@ -113,7 +125,7 @@ class SparseStepRunner:
         self.inputs = PlanInputs(
             req_to_token=req_to_token,
             selectors={name: make_selector(name, params.rerank) for name in SELECTORS},
-            speculators={name: cls() for name, cls in SPECULATORS.items()},
+            speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
             store=self.store,
             make_index=self.index,
             miss_policy=params.miss_policy,
@@ -121,8 +133,8 @@ class SparseStepRunner:
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
         )
-        self._mask_cache: tuple[int, int, torch.Tensor] | None = None
         self._exact = SELECTORS["oracle"]()
+        self._repair_scorer = make_selector("spec_host", params.rerank)
 
     # ------------------------------------------------------------------ state
     def index(self, location: str) -> KeyBlockIndex:
@@ -195,8 +207,9 @@ class SparseStepRunner:
             k_buf, v_buf: the device pool's ``[slots, Hkv, D]`` buffers of this layer.
 
         Returns:
-            ``(q, keys, values, mask)`` for :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`:
-            ``[R, Hkv, 2 x group, D]``, ``[R, Hkv, columns, D]`` twice, ``[R, 1, 2 x group, columns]``.
+            ``(q, keys, values)`` for the sparse attention (:class:`dd_sglang.kernels.dispatch.SparseAttention`,
+            which reads the columns from ``plan.mask``): ``[R, Hkv, P x group, D]`` (``P =
+            plan.positions``) and ``[R, Hkv, columns, D]`` views of the layer's ring slot.
         """
         hkv = k_buf.shape[1]
         if plan.n_fixed:
@@ -217,20 +230,11 @@ class SparseStepRunner:
         keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
         values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
         if plan.spec_rows.numel():
-            keys[plan.spec_rows, :, -1] = k3[plan.spec_tokens].to(keys.dtype)
-            values[plan.spec_rows, :, -1] = v3[plan.spec_tokens].to(values.dtype)
+            keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
+            values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
         q = fold_gqa(q3[plan.qidx], hkv)
-        mask = self._mask(plan, q.shape[2] // 2)
         self.events.phase("assemble", time.perf_counter() - t1)
-        return q, keys, values, mask
-
-    def _mask(self, plan: StepPlan, group: int) -> torch.Tensor:
-        cached = self._mask_cache
-        if cached is not None and cached[0] == id(plan) and cached[1] == group:
-            return cached[2]
-        m = plan.mask.repeat_interleave(group, dim=1).unsqueeze(1)
-        self._mask_cache = (id(plan), group, m)
-        return m
+        return q, keys, values
 
     def _put(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
         """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of plan
@@ -243,7 +247,7 @@ class SparseStepRunner:
 
     def _sync_select(self, plan, g, layer, q3, scale) -> None:
         index = self.indexes.get(g.selector.index_location) if g.selector.index_location else None
-        q = q3[g.query.to(q3.device)].detach().cpu()
+        q = _selection_queries(q3, g.query, self.host.k.shape[2]).cpu()
         _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, index, layer)
         self._put(layer, g.rows, slots, plan.n_res)
         if g.selector.lookahead:
@@ -251,17 +255,25 @@ class SparseStepRunner:
 
     def _repair(self, plan, layer, q3, scale) -> None:
         """Rows whose speculation missed: the ``repair_budget`` best non-prefetched candidates of
-        the real query, per KV head, into the repair columns (a synchronous gather)."""
+        the real query, per KV head, into the repair columns (a synchronous gather).
+
+        The real query ranks the host-tier block index (every lookahead row is summarised there)
+        and re-ranks the best blocks exactly, as ``spec_host`` does for its own query: a repair
+        reads ``rerank x (k + repair_budget)`` keys per KV head, not the whole context.
+        """
         rows = plan.repair_rows
         blocks = plan.blocks.take(rows)
         q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
-        pos, slots, score = self._exact.score(q, blocks, self.host.k[layer], plan.k, scale, None, layer)
-        have = plan.fixed_pos[layer][rows]  # exact scoring lists every position in order: index == position
-        kmask = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
-        score = score.scatter(-1, torch.where(kmask, have, 0), float("-inf"))
-        top = score.topk(plan.repair_budget, dim=-1).indices
+        budget = plan.repair_budget
+        pos, slots, score = self._repair_scorer.score(
+            q, blocks, self.host.k[layer], plan.k + budget, scale, self.index("host"), layer
+        )
+        have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
+        valid = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
+        held = ((pos.unsqueeze(-1) == have.unsqueeze(-2)) & valid.unsqueeze(-2)).any(dim=-1)
+        top = score.masked_fill(held, float("-inf")).topk(budget, dim=-1).indices
         self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
-        self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * plan.repair_budget)
+        self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
         """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
@@ -270,7 +282,7 @@ class SparseStepRunner:
         host_k = self.host.k[layer]
         nxt = self.store.next_sets
         for g in plan.ahead:
-            q = q3[g.query.to(q3.device)].detach().to("cpu", copy=True)
+            q = _selection_queries(q3, g.query, self.host.k.shape[2]).to("cpu", copy=True)
             index = self.index(g.selector.index_location) if g.selector.index_location else None
 
             def select(g=g, q=q, index=index) -> None:

@@ -15,10 +15,13 @@ Where the speculated token comes from:
   position fed ``x̂_t``; when ``x̂_t`` turned out to be the real ``x_t`` (the
   speculation was *accepted*), its logits are the model's next-token
   distribution after ``x_t`` (up to the sparse attention the second position
-  uses), and their argmax is the greedy guess of ``x_{t+1}`` (a *confident*
-  proposal). When ``x̂_t`` was rejected, or on a request's first sparse step,
-  it falls back to ``ngram``; with no n-gram match either, no token rides
-  along. (Reusing the rejected position's argmax instead keeps the chain one
+  uses), and their argmax is the greedy guess of ``x_{t+1}``. With
+  ``prefetch.branches: 2`` an unconfident argmax (probability below
+  ``prefetch.confident``) rides with the second most likely token as a third
+  position: under sampling the real token is then often one of the two, and
+  the chain stays in phase. When no riding token was the real one, or on a
+  request's first sparse step, it falls back to ``ngram``; with no n-gram
+  match either, no token rides along. (Reusing the rejected position's argmax instead keeps the chain one
   token out of phase: every later guess continues a wrong token, and greedy
   acceptance fell from 0.73 to 0.0 on one 4k text in ``bench/prefetch.py``.)
 * ``ngram``: prompt lookup (Saxena, "Prompt Lookup Decoding", 2023; the idea of
@@ -46,19 +49,22 @@ NGRAM_MAX = 3
 
 @dataclass
 class SpecState:
-    """Per-request speculation state (kept on the request's ``SparseRequest.spec``).
+    """Per-request speculation state (kept by the prefetch layer's ``PredictionStore``).
 
     Attributes:
-        riding: the token that rode as the second position in the last step (None: none did).
-        argmax: argmax of that position's logits (a guess for the token after the next one).
+        riding: the tokens that rode as extra query positions in the last step (0, 1 or 2).
+        top: per riding token, ``(token_1, p_1, token_2, p_2)``: the two most likely next tokens
+            after it and their probabilities, from its logits (filled after the forward).
+        branch: which riding token equalled the real one at the last check (None: none did).
         index: n-gram -> position after its most recent occurrence, over ``history[:indexed]``.
         indexed: how many history tokens ``index`` covers.
-        proposed, accepted: steps with a verifiable speculation, and those whose speculation
+        proposed, accepted: steps with a verifiable speculation, and those where a riding token
             equalled the real token.
     """
 
-    riding: int | None = None
-    argmax: int | None = None
+    riding: tuple[int, ...] = ()
+    top: list = field(default_factory=list)
+    branch: int | None = None
     index: dict = field(default_factory=dict)
     indexed: int = 0
     proposed: int = 0
@@ -94,21 +100,22 @@ def ngram_propose(history: Sequence[int], state: SpecState, max_n: int = NGRAM_M
 
 
 class Speculator:
-    """Base class: :meth:`propose` gives the token to ride as step t's second position."""
+    """Base class: :meth:`propose` gives the tokens to ride as step t's extra query positions."""
 
     name = "base"
 
-    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
+    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
+        """0, 1 or 2 tokens guessed for the position after ``history[-1]``."""
         raise NotImplementedError
 
 
 class NoSpeculator(Speculator):
-    """No second position: lookahead selectors use the current query."""
+    """No extra position: lookahead selectors use the current query."""
 
     name = "none"
 
-    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
-        return None
+    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
+        return ()
 
 
 class NgramSpeculator(Speculator):
@@ -116,20 +123,46 @@ class NgramSpeculator(Speculator):
 
     name = "ngram"
 
-    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
-        return ngram_propose(history, state)
+    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
+        tok = ngram_propose(history, state)
+        return () if tok is None else (tok,)
 
 
 class DualTokenSpeculator(Speculator):
-    """The previous step's second-position argmax when that speculation was accepted, else ``ngram``."""
+    """After an accepted speculation, the model's own guesses from the matching riding position; else ``ngram``.
+
+    The riding token that equalled the real one saw the right context, so its logits are the
+    model's next-token distribution (up to its sparse attention): its argmax rides next. When
+    that argmax is not confident (probability below ``confident``) and ``branches`` is 2, the
+    second most likely token rides beside it, and the lookahead selector ranks by both queries
+    at the same budget ``k`` (so a sampled second choice keeps the chain in phase).
+
+    Args:
+        branches: 1 or 2 riding tokens at most.
+        confident: top-1 probability at or above which one token rides (0..1).
+
+    Raises:
+        ValueError: ``branches`` not 1 or 2, or ``confident`` outside [0, 1].
+    """
 
     name = "dual_token"
 
-    def propose(self, history: Sequence[int], state: SpecState) -> int | None:
-        accepted = state.riding is not None and state.riding == history[-1]
-        if accepted and state.argmax is not None:
-            return state.argmax
-        return ngram_propose(history, state)
+    def __init__(self, branches: int = 1, confident: float = 0.9):
+        if branches not in (1, 2):
+            raise ValueError(f"prefetch.branches must be 1 or 2, got {branches}")
+        if not 0.0 <= confident <= 1.0:
+            raise ValueError(f"prefetch.confident must be in [0, 1], got {confident}")
+        self.branches, self.confident = branches, confident
+
+    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
+        b = state.branch
+        if b is not None and b < len(state.top) and state.top[b] is not None:
+            t1, p1, t2, _ = state.top[b]
+            if self.branches == 2 and p1 < self.confident and t2 != t1:
+                return (t1, t2)
+            return (t1,)
+        tok = ngram_propose(history, state)
+        return () if tok is None else (tok,)
 
 
 #: Speculators by preset name.
@@ -138,11 +171,28 @@ SPECULATORS: dict[str, type[Speculator]] = {
 }
 
 
+def make_speculator(name: str, branches: int = 1, confident: float = 0.9) -> Speculator:
+    """Instantiate a speculator by name (``branches`` / ``confident`` apply to ``dual_token``).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones), or bad ``branches``/``confident``.
+    """
+    cls = SPECULATORS.get(name)
+    if cls is None:
+        raise ValueError(f"speculator must be one of {sorted(SPECULATORS)}, got {name!r}")
+    return cls(branches, confident) if cls is DualTokenSpeculator else cls()
+
+
 def verify(state: SpecState, token: int) -> bool | None:
-    """Count whether the token that rode last step was the real one; None when none rode."""
-    if state.riding is None:
+    """Check last step's riding tokens against the real one; None when none rode.
+
+    Sets ``state.branch`` to the index of the matching riding token (None: rejected) and counts.
+    """
+    if not state.riding:
+        state.branch = None
         return None
     state.proposed += 1
-    ok = state.riding == token
+    state.branch = state.riding.index(token) if token in state.riding else None
+    ok = state.branch is not None
     state.accepted += int(ok)
     return ok

@@ -1,0 +1,157 @@
+"""End to end: two ``dualdecoder`` workers behind SGLang's gateway ``smg`` (``python -m dd_sglang.launch_router``).
+
+One router for this module: two workers (started at once) with device pools
+of :data:`CAP` tokens, small enough that two unrelated ~3k-token prompts push
+a finished ~3k-token turn out of a worker's device tier, large enough for a
+~6.3k-token second turn to prefill. ``smg`` routes with ``cache_aware``: over
+HTTP workers it matches each request's text against an approximate tree of
+the text it routed to each worker, so a session's second turn, whose text
+extends the first's, returns to the first turn's worker even though that
+worker's device no longer holds it; the worker's host tier reloads it
+(``REBUILD``) and SGLang reports those tokens as cached.
+
+Which worker served a request is read from each worker's own counter of
+finished requests (``sglang:num_requests_total`` on its sidecar); the
+requests here are sequential.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+import yaml
+
+from bench.gateway import served_by, start_gateway
+from bench.prompts import FILLER, INSTRUCTION, passkey_prompt
+from bench.server import ROOT, scrape
+
+pytestmark = pytest.mark.server
+MODEL = "smollm2-135m-instruct"
+CAP = 7168  # device KV pool per worker (tokens)
+HOST_TIER_BYTES = 512 * 1024**2  # per worker: 11,650 float32 tokens (the CPU default without bf16)
+TURN_TOKENS = 3000  # ~tokens per user turn
+PASSKEY = 48213
+ANSWER = "The pass key is"
+
+
+@pytest.fixture(scope="module")
+def gateway(model_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+    preset["sparse"]["host_tier_bytes"] = HOST_TIER_BYTES
+    (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
+    worker_args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--max-total-tokens", str(CAP),
+                   "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
+    try:
+        gw = start_gateway(tmp / "router.log", worker_args, workers=2)
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    yield gw
+    rc, alive = gw.stop()
+    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{gw.log_tail()}"
+
+
+def chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict:
+    """A greedy chat completion that continues the final (assistant) message."""
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "continue_final_message": True,
+        },  # fmt: skip
+        timeout=timeout,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def filler(tokenizer, n_tokens: int, header: str) -> str:
+    """~``n_tokens`` of filler text opened by a distinct ``header``."""
+    per = len(tokenizer.encode(FILLER))
+    return header + FILLER * max(1, n_tokens // per)
+
+
+def test_session_returns_to_its_worker_and_reloads_turn_1_from_the_host_tier(gateway, tokenizer):
+    gw = gateway
+    # Turn 1 (~3k tokens): the pass key, deep in filler.
+    text1, _ = passkey_prompt(tokenizer, TURN_TOKENS, 0.3, PASSKEY, header="Session 7 about a vault. ")
+    user1 = text1.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    assert INSTRUCTION in user1 and str(PASSKEY) in user1
+    turn1 = [{"role": "user", "content": user1}, {"role": "assistant", "content": ANSWER}]
+    before = gw.requests_served()
+    r1 = chat(gw.url, turn1, 8)
+    w = served_by(gw, before)
+    n1 = r1["usage"]["prompt_tokens"]
+    assert n1 >= TURN_TOKENS - 200, n1
+    reply1 = r1["choices"][0]["message"]["content"]
+    assert str(PASSKEY) in reply1, reply1
+
+    # Two unrelated ~3k-token prompts on the same worker: the second needs the device slots of
+    # turn 1's evictable copy, so turn 1 now lives only in that worker's host tier.
+    for i in range(2):
+        prompt, _ = passkey_prompt(tokenizer, TURN_TOKENS, 0.5, 30000 + i, header=f"Unrelated filler {i}. ")
+        r = httpx.post(
+            f"{gw.worker_urls[w]}/generate",
+            json={"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+            timeout=600,
+        )
+        assert r.status_code == 200, r.text
+
+    # Turn 2 (~3k more tokens), asking about turn 1.
+    user2 = filler(tokenizer, TURN_TOKENS, "Now some more text to read. ") + "\nWhat was the pass key?"
+    turn2 = turn1[:1] + [
+        {"role": "assistant", "content": ANSWER + reply1},
+        {"role": "user", "content": user2},
+        {"role": "assistant", "content": ANSWER},
+    ]
+    m_before = scrape(gw.metrics_urls[w])
+    before = gw.requests_served()
+    r2 = chat(gw.url, turn2, 8)
+    assert served_by(gw, before) == w, "turn 2 went to another worker than turn 1"
+    m_after = scrape(gw.metrics_urls[w])
+    assert r2["usage"]["prompt_tokens"] >= n1 + TURN_TOKENS - 200
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= n1, (cached, n1)
+    rebuilt = m_after.get("dd_host_tier_rebuilt_tokens_total", 0) - m_before.get(
+        "dd_host_tier_rebuilt_tokens_total", 0
+    )
+    assert rebuilt >= n1 - 64, (
+        rebuilt
+    )  # the device had lost turn 1: it came back from the host tier (page-granular)
+    assert str(PASSKEY) in r2["choices"][0]["message"]["content"], r2["choices"][0]["message"]["content"]
+
+
+def test_killing_a_worker_routes_new_sessions_to_the_other(gateway, tokenizer):
+    gw = gateway
+    victim, survivor = 1, 0
+    gw.kill_worker(victim)
+    t0 = time.monotonic()
+    before = gw.requests_served()[survivor]
+
+    def session(i: int) -> str:
+        prompt = filler(tokenizer, 300, f"New session {i} after a worker loss. ") + "\nSay OK."
+        r = chat(
+            gw.url,
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": "OK"}],
+            4,
+            timeout=90,
+        )
+        return r["choices"][0]["finish_reason"]
+
+    # Four new sessions, two at a time; each must finish within its timeout (no request hangs).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        reasons = list(pool.map(session, range(4)))
+    assert all(r in ("length", "stop") for r in reasons), reasons
+    assert gw.requests_served()[survivor] - before == 4
+    assert time.monotonic() - t0 < 300
+    assert gw.proc.poll() is None, "the router must keep serving with one worker"
+    deadline = time.monotonic() + 30  # the router notices the worker's launcher exit within a few seconds
+    while f"worker {victim} (" not in gw.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert f"worker {victim} (" in gw.log_path.read_text() and "routes around it" in gw.log_path.read_text()
