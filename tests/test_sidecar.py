@@ -59,7 +59,7 @@ def test_stats_needs_the_api_key_metrics_and_healthz_do_not(tmp_path):
     assert client.get("/stats", headers={"Authorization": "Basic s3"}).status_code == 401
     ok = client.get("/stats", headers={"Authorization": "bearer s3"})
     assert ok.status_code == 200 and ok.json()["metrics"]["dd_device_kv_used_bytes"][0]["value"] == 7 * 23040
-    assert "dd_device_kv_capacity_bytes 2.304e+06" in client.get("/metrics").text
+    assert 'dd_device_kv_capacity_bytes{dp_rank="0"} 2.304e+06' in client.get("/metrics").text
     assert client.get("/healthz").status_code == 503  # open (no 401): SGLang is just unreachable here
 
 
@@ -92,7 +92,7 @@ def test_launcher_restarts_a_killed_sidecar_on_the_same_socket(tmp_path):
                  preset="t", api_key="k")  # fmt: skip
     sc.start()
     try:
-        assert "dd_device_kv_used_bytes 161280.0" in _get_until_up(f"{url}/metrics").text
+        assert 'dd_device_kv_used_bytes{dp_rank="0"} 161280.0' in _get_until_up(f"{url}/metrics").text
         assert _get_until_up(f"{url}/stats").status_code == 401
         first = sc.proc.pid
         sc.proc.send_signal(signal.SIGKILL)
@@ -100,7 +100,7 @@ def test_launcher_restarts_a_killed_sidecar_on_the_same_socket(tmp_path):
         time.sleep(SIDECAR_RESTART_MIN_S)
         sc.restart_if_dead()
         assert sc.restarts == 1 and sc.proc.pid != first
-        assert "dd_device_kv_used_bytes 161280.0" in _get_until_up(f"{url}/metrics").text
+        assert 'dd_device_kv_used_bytes{dp_rank="0"} 161280.0' in _get_until_up(f"{url}/metrics").text
         sc.restart_if_dead()  # alive: nothing happens
         assert sc.restarts == 1
     finally:

@@ -144,7 +144,7 @@ def test_prometheus_scrapes_every_dashboard_series(rel_server, tokenizer, tmp_pa
     assert r.status_code == 200, r.text
     config = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
     job = config["scrape_configs"][0]
-    job["static_configs"] = [{"targets": [rel_server.metrics_url.removeprefix("http://")]}]
+    job["static_configs"][0]["targets"] = [rel_server.metrics_url.removeprefix("http://")]  # labels kept
     config["global"]["scrape_interval"] = "1s"  # the compose file's 5 s, shortened for the test
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
