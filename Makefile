@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.stamp-install
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint bench gpu-check clean-model
+.PHONY: install model serve test lint bench loadtest gpu-check clean-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: model
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# A bounded headless Locust run (8 users, 2 min) against a dualdecoder server that the target starts
+# and stops; fails on any failed request or wrong answer. LOADTEST_ARGS="--host URL" drives another server.
+LOADTEST_ARGS ?=
+loadtest: model
+	$(BIN)/python -m loadtest.run $(LOADTEST_ARGS)
 
 bench: model
 	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder

@@ -41,11 +41,21 @@ class ServerProcess:
     proc: subprocess.Popen
     log_path: Path
     max_total_tokens: int
+    api_key: str | None = None
     start_seconds: float = 0.0
     #: The model and KV dtype SGLang resolved (``/server_info``), e.g. ``"float32"``.
     dtype: str = "bfloat16"
     peak_rss_bytes: int = 0
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """``Authorization: Bearer <api_key>`` when the server was started with ``--api-key``, else none."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def post(self, path: str, payload, timeout: float = 600.0) -> httpx.Response:
+        """POST ``payload`` (JSON) to the SGLang API at ``path``, with the API key if any."""
+        return httpx.post(f"{self.url}{path}", json=payload, headers=self.headers, timeout=timeout)
 
     @property
     def kv_itemsize(self) -> int:
@@ -96,8 +106,9 @@ class ServerProcess:
 _RANK_LABEL = re.compile(r'dp_rank="[^"]*",?')
 
 
-def scrape(metrics_url: str, prefix: str = "dd_", by_rank: bool = False) -> dict[str, float]:
-    """The sidecar's ``/metrics`` samples whose name starts with ``prefix``, keyed by name with labels.
+def scrape(metrics_url: str, prefix: str | tuple[str, ...] = "dd_", by_rank: bool = False) -> dict[str, float]:
+    """The sidecar's ``/metrics`` samples whose name starts with ``prefix`` (or one of several),
+    keyed by name with labels.
 
     The sidecar labels every ``dd_`` sample with its data-parallel rank (``dp_rank``). Unless
     ``by_rank``, that label is dropped and the ranks' samples are combined into the server's
@@ -105,7 +116,7 @@ def scrape(metrics_url: str, prefix: str = "dd_", by_rank: bool = False) -> dict
     """
     out: dict[str, float] = {}
     for line in httpx.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
-        if not line.startswith(prefix):
+        if not line.startswith(prefix) or line.startswith("#"):
             continue
         name, raw = line.rsplit(" ", 1)
         value = float(raw)
@@ -117,10 +128,56 @@ def scrape(metrics_url: str, prefix: str = "dd_", by_rank: bool = False) -> dict
     return out
 
 
+def transitions(samples: dict[str, float], src: str, dst: str) -> float:
+    """``dd_dualpath_transitions_total{from=src,to=dst}`` in a :func:`scrape` result (0 when absent)."""
+    return samples.get(f'dd_dualpath_transitions_total{{from="{src}",to="{dst}"}}', 0.0)
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    """How much sample ``name`` grew between two :func:`scrape` results (absent counts as 0)."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def flush_when_idle(srv: ServerProcess, timeout: float = 120.0) -> dict[str, float]:
+    """``/flush_cache`` once the server is idle (SGLang refuses while requests run); then the gauges.
+
+    Raises:
+        AssertionError: still refused after ``timeout`` seconds.
+    """
+    t0 = time.monotonic()
+    while httpx.post(f"{srv.url}/flush_cache", headers=srv.headers, timeout=30).status_code != 200:
+        assert time.monotonic() - t0 < timeout, "server never became idle"
+        time.sleep(0.5)
+    time.sleep(1.0)  # the idle hook republishes the gauges
+    return scrape(srv.metrics_url)
+
+
+def wait_idle(srv: ServerProcess, timeout: float = 120.0) -> dict[str, float]:
+    """The gauges once no request is admitted (every ``dd_dualpath_requests`` state at 0).
+
+    Raises:
+        AssertionError: requests still admitted after ``timeout`` seconds.
+    """
+    t0 = time.monotonic()
+    while True:
+        m = scrape(srv.metrics_url)
+        if all(v == 0 for k, v in m.items() if k.startswith("dd_dualpath_requests{")):
+            time.sleep(1.0)
+            return scrape(srv.metrics_url)
+        assert time.monotonic() - t0 < timeout, "requests still admitted"
+        time.sleep(0.5)
+
+
 def start_server(
-    log_path: Path, max_total_tokens: int, extra_args: list[str] | None = None, timeout: float = 300.0
+    log_path: Path,
+    max_total_tokens: int,
+    extra_args: list[str] | None = None,
+    timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> ServerProcess:
     """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200.
+
+    ``api_key`` adds SGLang's ``--api-key``; :attr:`ServerProcess.headers` then carries it.
 
     Raises:
         RuntimeError: the launcher exited, or was not healthy within ``timeout`` s
@@ -131,13 +188,14 @@ def start_server(
         sys.executable, "-m", "dd_sglang.launch_server",
         "--port", str(port), "--metrics-port", str(mport),
         "--max-total-tokens", str(max_total_tokens), *(extra_args or []),
+        *(["--api-key", api_key] if api_key else []),
     ]  # fmt: skip
     log = open(log_path, "w")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     srv = ServerProcess(
-        f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", proc, log_path, max_total_tokens
+        f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", proc, log_path, max_total_tokens, api_key
     )
     threading.Thread(target=srv._sample, daemon=True).start()
     while True:
@@ -153,7 +211,7 @@ def start_server(
             raise RuntimeError(f"server not healthy after {timeout} s:\n{srv.log_tail()}")
         time.sleep(0.5)
     srv.start_seconds = time.monotonic() - t0
-    info = httpx.get(f"{srv.url}/server_info", timeout=30).json()
+    info = httpx.get(f"{srv.url}/server_info", headers=srv.headers, timeout=30).json()
     dtype = info.get("dtype", "auto")
     if dtype == "auto":  # the checkpoint's dtype
         cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())

@@ -53,6 +53,8 @@ class ServerSection(_Strict):
     ``true`` value is a bare switch, ``false`` omits the flag.
     ``start_timeout_s``: the launcher stops SGLang and exits 1 when it is not
     healthy this many seconds after start (a port it could not bind, say).
+    ``max_request_bytes``: SGLang's HTTP server answers 413 to a request body
+    larger than this (bytes), before reading it (SGLang itself has no limit).
     """
 
     host: str = Field("127.0.0.1", min_length=1)
@@ -61,6 +63,7 @@ class ServerSection(_Strict):
     context_length: int | None = Field(None, ge=128, le=10_000_000)
     max_running_requests: int | None = Field(None, ge=1, le=65536)
     start_timeout_s: float = Field(600.0, ge=10.0, le=7200.0)
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=2**31)
     sglang_args: dict[str, SGLangScalar] = Field(default_factory=dict)
 
 

@@ -23,7 +23,12 @@ Start-up, in order (every check runs before any SGLang process exists):
    ``DD_SGLANG_CONFIG_JSON``; SGLang loads dd_sglang's plugins in each of its
    processes through entry points. The child also gets SIGTERM if this
    launcher dies (``PR_SET_PDEATHSIG``).
-7. Serve the sidecar (FastAPI/uvicorn) on the metrics port in a thread.
+7. Start the metrics sidecar (``python -m dd_sglang.metrics.sidecar``,
+   FastAPI/uvicorn) as a child process serving on the metrics socket this
+   launcher bound and keeps. It only reads the metrics folder; if it dies it is
+   restarted (at most once per :data:`SIDECAR_RESTART_MIN_S` seconds) and
+   serving is unaffected. SGLang's ``--api-key`` (else ``--admin-api-key``)
+   protects its ``/stats``.
 8. SIGINT/SIGTERM: SIGTERM to SGLang's whole process group, SIGKILL after
    :data:`SHUTDOWN_GRACE_S` seconds, stop the sidecar, remove the metrics
    folder, exit 0. If SGLang exits on its own, exit with its code.
@@ -54,6 +59,7 @@ from dd_sglang.plugin.runtime import CONFIG_ENV
 logger = logging.getLogger("dd_sglang.launch_server")
 
 SHUTDOWN_GRACE_S = 20.0
+SIDECAR_RESTART_MIN_S = 1.0
 PROM_DIR_PREFIX = "dd_sglang_prom_"
 DD_FLAGS_HELP = """dd_sglang flags (every other flag goes to SGLang unchanged; SGLang's flags follow):
   --dd-config NAME|PATH   preset in configs/ or a YAML file (default: cpu-smollm2)
@@ -396,17 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    import uvicorn
-
-    from dd_sglang.metrics.sidecar import create_app
-
     sglang_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    app = create_app(
-        sglang_url=sglang_url, multiproc_dir=prom_dir, health_timeout_s=m.health_timeout_s, preset=cfg.name
-    )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    sidecar = threading.Thread(
-        target=server.run, kwargs={"sockets": [metrics_sock]}, name="dd-sidecar", daemon=True
+    sidecar = Sidecar(
+        metrics_sock,
+        sglang_url=sglang_url,
+        multiproc_dir=prom_dir,
+        health_timeout_s=m.health_timeout_s,
+        preset=cfg.name,
+        api_key=flag_value(full_argv, "--api-key") or flag_value(full_argv, "--admin-api-key"),
     )
     sidecar.start()
     metrics_url = f"http://{m.host}:{m.port}"
@@ -418,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     start_timeout = cfg.server.start_timeout_s
     timed_out = False
     while proc.poll() is None and not stop.wait(0.5):
+        sidecar.restart_if_dead()
         if not ready.is_set() and time.monotonic() - t0 > start_timeout:
             timed_out = True
             logger.error(
@@ -441,12 +445,85 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("SGLang exited with code %s", rc)
         _stop_group(proc)  # reap anything its processes left behind
         rc = 1  # SGLang died on its own (a crash, an OOM kill): one code, its own is in the log
-    server.should_exit = True
-    sidecar.join(timeout=5.0)
+    sidecar.stop()
     metrics_sock.close()
     shutil.rmtree(prom_dir, ignore_errors=True)
     logger.info("stopped (exit code %s)", rc)
     return rc
+
+
+class Sidecar:
+    """The metrics sidecar child process (:mod:`dd_sglang.metrics.sidecar`), supervised.
+
+    It serves on ``sock``, a listening socket this launcher bound and keeps open, so a
+    restarted sidecar takes over the same port without a gap in which another process
+    could bind it; connections made while it restarts wait in the socket's backlog.
+
+    Args:
+        sock: the listening metrics socket (handed to the child by file descriptor).
+        sglang_url, multiproc_dir, health_timeout_s, preset: see
+            :func:`dd_sglang.metrics.sidecar.create_app`.
+        api_key: protects ``/stats``; passed through the environment, not the command line.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        sglang_url: str,
+        multiproc_dir: str,
+        health_timeout_s: float,
+        preset: str,
+        api_key: str | None,
+    ):
+        from dd_sglang.metrics.sidecar import API_KEY_ENV
+
+        self.sock = sock
+        self.cmd = [
+            sys.executable, "-m", "dd_sglang.metrics.sidecar", "--fd", str(sock.fileno()),
+            "--sglang-url", sglang_url, "--multiproc-dir", multiproc_dir,
+            "--health-timeout-s", str(health_timeout_s), "--preset", preset,
+        ]  # fmt: skip
+        self.env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        if api_key:
+            self.env[API_KEY_ENV] = api_key
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._started_at = 0.0
+
+    def start(self) -> None:
+        self._started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            pass_fds=(self.sock.fileno(),),
+            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which stops it in order
+            preexec_fn=_child_setup,
+        )
+
+    def restart_if_dead(self) -> None:
+        """Start a new sidecar if the current one exited (rate-limited)."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        if time.monotonic() - self._started_at < SIDECAR_RESTART_MIN_S:
+            return
+        self.restarts += 1
+        logger.warning(
+            "metrics sidecar (pid %d) exited with code %s; restarting it (restart %d)",
+            self.proc.pid, self.proc.returncode, self.restarts,
+        )  # fmt: skip
+        self.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM the sidecar, SIGKILL it after ``timeout`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _group_alive(pgid: int) -> bool:

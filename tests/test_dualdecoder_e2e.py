@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from bench.prompts import passkey_prompt
-from bench.server import ROOT, scrape, start_server
+from bench.server import ROOT, delta, flush_when_idle, scrape, start_server, transitions, wait_idle
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
@@ -83,32 +83,6 @@ def dd_server(model_path, tmp_path_factory):
 def metrics(srv) -> dict[str, float]:
     """Every ``dd_`` sample of the sidecar's ``/metrics``, by name with labels."""
     return scrape(srv.metrics_url)
-
-
-def transitions(m: dict, src: str, dst: str) -> float:
-    return m.get(f'dd_dualpath_transitions_total{{from="{src}",to="{dst}"}}', 0.0)
-
-
-def flush_when_idle(srv, timeout: float = 120.0) -> dict[str, float]:
-    """``/flush_cache`` once the server is idle (SGLang refuses while requests run); then the gauges."""
-    t0 = time.monotonic()
-    while httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code != 200:
-        assert time.monotonic() - t0 < timeout, "server never became idle"
-        time.sleep(0.5)
-    time.sleep(1.0)  # the idle hook republishes the gauges
-    return metrics(srv)
-
-
-def wait_idle(srv, timeout: float = 120.0) -> dict[str, float]:
-    """The gauges once no request is admitted."""
-    t0 = time.monotonic()
-    while True:
-        m = metrics(srv)
-        if all(v == 0 for k, v in m.items() if k.startswith("dd_dualpath_requests{")):
-            time.sleep(1.0)
-            return metrics(srv)
-        assert time.monotonic() - t0 < timeout, "requests still admitted"
-        time.sleep(0.5)
 
 
 def complete(srv, prompt: str, max_tokens: int) -> dict:
@@ -218,10 +192,6 @@ def test_every_combination_at_full_top_k_is_token_identical(
     )
     rows = after["dd_sparse_decode_rows_total"] - before.get("dd_sparse_decode_rows_total", 0.0)
     assert rows == 11 * N_LAYERS
-
-
-def delta(after: dict, before: dict, name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 @pytest.mark.parametrize("selector,speculator", PAIRS)

@@ -260,7 +260,7 @@ def test_locust_scenarios_run_clean(server, tokenizer, tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
-        env={**__import__("os").environ, "DD_LOAD_PROMPT_TOKENS": "1000"},
+        env={**__import__("os").environ, "DD_LOAD_CONTEXT_TOKENS": "1000", "DD_LOAD_TURNS": "2"},
     )
     rows = {row["Name"]: row for row in csv.DictReader(open(tmp_path / "load_stats.csv"))}
     total = rows["Aggregated"]

@@ -47,3 +47,63 @@ def test_healthz_503_when_sglang_unreachable(tmp_path):
     r = client.get("/healthz")
     assert r.status_code == 503
     assert r.json()["status"] == "unavailable"
+
+
+def test_stats_needs_the_api_key_metrics_and_healthz_do_not(tmp_path):
+    _write_metrics(tmp_path, 1)
+    client = TestClient(
+        create_app(sglang_url="http://127.0.0.1:9", multiproc_dir=str(tmp_path), health_timeout_s=1, api_key="s3")
+    )
+    assert client.get("/stats").status_code == 401
+    assert client.get("/stats", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/stats", headers={"Authorization": "Basic s3"}).status_code == 401
+    ok = client.get("/stats", headers={"Authorization": "bearer s3"})
+    assert ok.status_code == 200 and ok.json()["metrics"]["dd_device_kv_used_bytes"][0]["value"] == 7 * 23040
+    assert 'dd_device_kv_capacity_bytes{dp_rank="0"} 2.304e+06' in client.get("/metrics").text
+    assert client.get("/healthz").status_code == 503  # open (no 401): SGLang is just unreachable here
+
+
+def _get_until_up(url: str, timeout: float = 60.0):
+    import time
+
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            return httpx.get(url, timeout=5)
+        except httpx.HTTPError:
+            assert time.monotonic() - t0 < timeout, f"{url} never answered"
+            time.sleep(0.2)
+
+
+def test_launcher_restarts_a_killed_sidecar_on_the_same_socket(tmp_path):
+    """The launcher's Sidecar child serves the launcher's socket; killed, a new one serves the same
+    port and reads the same counters (nothing reset: the figures live in the multiprocess folder)."""
+    import signal
+    import time
+
+    from dd_sglang.launch_server import SIDECAR_RESTART_MIN_S, Sidecar, _bind
+
+    _write_metrics(tmp_path, 1)
+    sock = _bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sc = Sidecar(sock, sglang_url="http://127.0.0.1:9", multiproc_dir=str(tmp_path), health_timeout_s=1,
+                 preset="t", api_key="k")  # fmt: skip
+    sc.start()
+    try:
+        assert 'dd_device_kv_used_bytes{dp_rank="0"} 161280.0' in _get_until_up(f"{url}/metrics").text
+        assert _get_until_up(f"{url}/stats").status_code == 401
+        first = sc.proc.pid
+        sc.proc.send_signal(signal.SIGKILL)
+        sc.proc.wait()
+        time.sleep(SIDECAR_RESTART_MIN_S)
+        sc.restart_if_dead()
+        assert sc.restarts == 1 and sc.proc.pid != first
+        assert 'dd_device_kv_used_bytes{dp_rank="0"} 161280.0' in _get_until_up(f"{url}/metrics").text
+        sc.restart_if_dead()  # alive: nothing happens
+        assert sc.restarts == 1
+    finally:
+        sc.stop()
+        sock.close()
+    assert sc.proc.poll() is not None

@@ -208,3 +208,76 @@ PREFETCH_LAYER_HIT_RATE = Histogram(
     ["layer"],
     buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
 )
+
+# ----------------------------------------------------------------------------------------------
+# Reader's guide. docs/metrics.md is generated from the objects above and these two dicts
+# (``python -m dd_sglang.metrics.catalog > docs/metrics.md``; tests/test_metrics_catalog.py
+# fails when the committed file differs). A series whose name ends in a base unit
+# (``_bytes``, ``_seconds``) needs no UNITS entry.
+
+#: Unit of each series whose name does not end in a base unit, by metric name (without ``_total``).
+UNITS = {
+    "dd_sparse_request_device_tokens_max": "tokens",
+    "dd_dualpath_requests": "requests",
+    "dd_dualpath_transitions": "transitions",
+    "dd_sparse_decode_rows": "(request, layer) rows",
+    "dd_host_tier_rebuilt_tokens": "tokens",
+    "dd_prefetch_hits": "critical-set slots (tokens per layer and KV head)",
+    "dd_prefetch_lookups": "critical-set slots (tokens per layer and KV head)",
+    "dd_prefetch_mass_prefetched": "softmax probability mass, summed over KV heads",
+    "dd_prefetch_mass_top_k": "softmax probability mass, summed over KV heads",
+    "dd_prefetch_cold": "(request, layer) steps",
+    "dd_prefetch_misses": "(request, layer) steps",
+    "dd_prefetch_repaired_tokens": "tokens, summed over KV heads",
+    "dd_spec_proposed": "decode steps",
+    "dd_spec_accepted": "decode steps",
+    "dd_prefetch_layer_hit_rate": "ratio in [0, 1]",
+    "dd_decode_steps": "decode forwards",
+}
+
+#: Label names and the values they take (bounded sets; never request ids).
+LABEL_VALUES = {
+    "state": "DualPath state: " + ", ".join(DUALPATH_STATES),
+    "from": "DualPath state the request left: " + ", ".join(DUALPATH_STATES),
+    "to": "DualPath state the request entered: " + ", ".join(DUALPATH_STATES),
+    "selector": "critical-set selector: oracle, spec_host, spec_host_exact, quest_device, recency",
+    "speculator": "speculator: dual_token, ngram, none (selectors other than spec_host read no speculated "
+    "token and count under none)",
+    "policy": "miss policy: use_prefetched, repair",
+    "source": "cuda_allocator (CUDA) or cpu_device_pool (no accelerator)",
+    "layer": "transformer layer index, 0 .. layers - 1",
+    "phase": "decode step phase: plan, select, assemble, attention, select_ahead",
+    "kind": "decode forward kind: sparse (had sparse rows) or dense",
+}
+
+#: How to read a series, beyond its help text (queries are PromQL).
+READING = {
+    "dd_device_kv_used_bytes": "Held by running requests = used - evictable. Compare with "
+    "dd_device_kv_capacity_bytes for pool pressure; the evictable part is free to reclaim.",
+    "dd_host_tier_used_bytes": "Never exceeds dd_host_tier_capacity_bytes less one padding page. "
+    "Running sparse requests hold used - dd_host_tier_prefix_cache_bytes; the prefix cache is evicted "
+    "(least recently used first) when a request needs room.",
+    "dd_dualpath_requests": "All states return to 0 once the server is idle (republished within "
+    "metrics.update_interval_s of the last batch, and before the scheduler sleeps).",
+    "dd_dualpath_transitions": "rate(...) by (from, to). PREFILL_FULL -> DENSE counts requests the host "
+    "tier could not take (they run densely, nothing is lost); REBUILD -> PREFILL_FULL counts new turns "
+    "that reloaded a finished request's host pages.",
+    "dd_prefetch_hits": "Hit rate = rate(dd_prefetch_hits_total) / rate(dd_prefetch_lookups_total), per "
+    "(selector, speculator). Counted on sampled steps only (prefetch.hit_rate_sample of the decode steps): "
+    "on such a step the real query's exact top-k per layer and KV head is computed and compared with the "
+    "set the selector fixed one step earlier.",
+    "dd_prefetch_lookups": "A lookup is one critical-set slot checked on a sampled step: a sampled "
+    "(request, step) adds k x KV heads x layers lookups (k = the request's top_k). A request's first "
+    "sparse step has nothing fixed in advance: it is counted in dd_prefetch_cold_total, not here.",
+    "dd_prefetch_mass_prefetched": "Coverage = rate(this) / rate(dd_prefetch_mass_top_k_total): the share "
+    "of the attention mass the exact top-k would capture that the prefetched set captured.",
+    "dd_spec_accepted": "Acceptance = rate(dd_spec_accepted_total) / rate(dd_spec_proposed_total) per "
+    "speculator. A rejected speculation degrades the next step's set toward the previous step's.",
+    "dd_transfer_wait_seconds": "histogram_quantile(0.99, rate(dd_transfer_wait_seconds_bucket[5m])): "
+    "the exposed copy wait per layer; near 0 means the transfer schedule hides the copies.",
+    "dd_transfer_hidden_seconds": "Hidden share = rate(this) / rate(dd_transfer_copy_seconds_sum).",
+    "dd_decode_steps": "Mean step time = rate(dd_decode_step_seconds_total) / rate(dd_decode_steps_total), "
+    "by kind; the phases' share = rate(dd_step_phase_seconds_total) by (phase) / rate(dd_decode_step_seconds_total).",
+    "dd_prefetch_layer_hit_rate": "Per-layer distribution of the per-(request, step) hit rate on sampled "
+    "steps: a layer whose mass sits in low buckets is predicted badly.",
+}

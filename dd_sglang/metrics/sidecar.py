@@ -1,5 +1,11 @@
 """The metrics sidecar: a small FastAPI app on its own port, beside SGLang.
 
+It runs as its own process (``python -m dd_sglang.metrics.sidecar``, started
+by the launcher on a listening socket the launcher owns, and restarted by it
+if it dies), so it only ever reads: every figure lives in the
+prometheus-client multiprocess folder that SGLang's processes write. Killing
+and restarting it neither resets nor doubles a counter.
+
 Routes:
 
 * ``GET /metrics``: Prometheus text format, merged across every SGLang process
@@ -16,15 +22,32 @@ Routes:
   selector/speculator pair (``prefetch_hit_rate_by_speculator``, keys like
   ``"spec_host/dual_token"``), and the speculated-token acceptance rate per
   speculator (``spec_acceptance_rate``).
+
+Access: with SGLang's ``--api-key`` (or, without it, ``--admin-api-key``) set,
+``/stats`` answers 401 unless the request carries ``Authorization: Bearer
+<key>``, as SGLang's own routes do. ``/metrics`` and ``/healthz`` stay open,
+as SGLang keeps its ``/metrics`` and ``/health*`` open, so Prometheus and
+health probes need no secret; both bind to loopback unless told otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import secrets
+import socket
+import sys
 import time
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+#: Environment variable through which the launcher hands the sidecar SGLang's API key
+#: (kept out of the sidecar's command line).
+API_KEY_ENV = "DD_SGLANG_SIDECAR_API_KEY"
+#: Routes that answer without a key even when one is set (scrapers and health probes).
+OPEN_ROUTES = ("/metrics", "/healthz")
 
 
 def prefetch_hit_rates(samples: dict, by: tuple[str, ...] = ("selector",)) -> dict[str, float]:
@@ -72,8 +95,19 @@ def dd_samples(multiproc_dir: str) -> dict[str, list[dict]]:
     return out
 
 
+def bearer_ok(authorization: str | None, key: str) -> bool:
+    """True when ``authorization`` is ``Bearer <key>`` (scheme case-insensitive, constant-time compare)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
 def create_app(
-    *, sglang_url: str, multiproc_dir: str, health_timeout_s: float = 5.0, preset: str = ""
+    *,
+    sglang_url: str,
+    multiproc_dir: str,
+    health_timeout_s: float = 5.0,
+    preset: str = "",
+    api_key: str | None = None,
 ) -> FastAPI:
     """Build the sidecar app.
 
@@ -82,11 +116,25 @@ def create_app(
         multiproc_dir: prometheus-client multiprocess folder shared with SGLang.
         health_timeout_s: seconds to wait for SGLang's ``/health``.
         preset: preset name shown in ``/stats``.
+        api_key: when set, every route but :data:`OPEN_ROUTES` answers 401 without
+            ``Authorization: Bearer <api_key>``.
     """
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     app = FastAPI(title="dd_sglang metrics sidecar")
     started = time.monotonic()
+
+    if api_key:
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path in OPEN_ROUTES or bearer_ok(request.headers.get("authorization"), api_key):
+                return await call_next(request)
+            return JSONResponse(
+                {"error": "Unauthorized: send the server's --api-key as 'Authorization: Bearer <key>'"},
+                401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -119,3 +167,35 @@ def create_app(
         }
 
     return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the sidecar on an inherited listening socket until SIGINT/SIGTERM.
+
+    ``python -m dd_sglang.metrics.sidecar --fd N --sglang-url URL --multiproc-dir DIR
+    [--health-timeout-s S] [--preset NAME]``; the API key, if any, comes from
+    :data:`API_KEY_ENV`. The launcher (:mod:`dd_sglang.launch_server`) starts it.
+    """
+    import uvicorn
+
+    ap = argparse.ArgumentParser(prog="python -m dd_sglang.metrics.sidecar")
+    ap.add_argument("--fd", type=int, required=True, help="listening TCP socket inherited from the launcher")
+    ap.add_argument("--sglang-url", required=True)
+    ap.add_argument("--multiproc-dir", required=True)
+    ap.add_argument("--health-timeout-s", type=float, default=5.0)
+    ap.add_argument("--preset", default="")
+    args = ap.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    app = create_app(
+        sglang_url=args.sglang_url,
+        multiproc_dir=args.multiproc_dir,
+        health_timeout_s=args.health_timeout_s,
+        preset=args.preset,
+        api_key=os.environ.get(API_KEY_ENV) or None,
+    )
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

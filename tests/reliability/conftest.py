@@ -1,0 +1,76 @@
+"""The reliability suite's server: one ``dualdecoder`` server for the whole package.
+
+Cases come from failure reports of KV-offload and sparse-decode systems
+(SGLang HiCache/HiSparse, vLLM's offload connector, LMCache); each is a real
+request sequence against real servers, checked against values computed
+independently (the session's dense server, byte counts of the preset).
+
+The server (:func:`rel_server`, package scope) is the CPU preset with:
+
+* ``--chunked-prefill-size 128``: a ~2k prompt prefills in 16 chunks, so aborts
+  land between chunks;
+* a sparse geometry that makes pages move often: ``n_recent`` 32 and
+  ``page_size`` 16 (defaults 128 and 64), so a generation of ~50 tokens already
+  pushes its own first tokens out of the window into the host tier;
+* a host tier of :data:`GROWTH_PROMPT` 's pages + 2 (``sparse.host_tier_bytes``),
+  so one request's decode growth fills it;
+* ``prefetch.hit_rate_sample`` 1 (every step feeds the prefetch series);
+* the dense server's dtype (outputs are compared token for token with it);
+* a device pool of 4,096 tokens and SGLang's ``--api-key`` (the sidecar's
+  ``/stats`` must honour it), ``--enable-cache-report`` for cached-token counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from bench.prompts import passkey_prompt
+from bench.server import ROOT, ServerProcess, start_server
+
+from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token
+
+
+@pytest.fixture(scope="package")
+def growth_prompt(tokenizer) -> tuple[str, list[int]]:
+    """The host-tier-sizing prompt: ``(text, token ids)``, 1,024+ tokens (goes sparse)."""
+    prompt, n = passkey_prompt(tokenizer, *GROWTH_PROMPT)
+    assert 1024 <= n <= 1400
+    return prompt, tokenizer.encode(prompt)
+
+
+@pytest.fixture(scope="package")
+def bytes_per_token(server) -> int:
+    """KV bytes per token in the dtype of the session's dense server, which the reliability server shares."""
+    return kv_bytes_per_token(server.kv_itemsize)
+
+
+@pytest.fixture(scope="package")
+def host_usable_bytes(growth_prompt, bytes_per_token) -> int:
+    """Usable host-tier bytes: the growth prompt's pages plus two (the padding page excluded)."""
+    return (host_pages(len(growth_prompt[1])) + 2) * PAGE * bytes_per_token
+
+
+@pytest.fixture(scope="package")
+def rel_server(model_path, server, host_usable_bytes, bytes_per_token, tmp_path_factory) -> ServerProcess:
+    tmp = tmp_path_factory.mktemp("rel_server")
+    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+    preset["name"] = "reliability"
+    preset["sparse"].update(
+        n_sink=N_SINK,
+        n_recent=N_RECENT,
+        page_size=PAGE,
+        host_tier_bytes=host_usable_bytes + PAGE * bytes_per_token,  # + SGLang's padding page
+    )
+    preset["prefetch"]["hit_rate_sample"] = 1.0
+    (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
+    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
+            "--dtype", server.dtype, "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
+    try:
+        srv = start_server(tmp / "server.log", CAP, args, timeout=900, api_key=API_KEY)
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    yield srv
+    rc, alive = srv.stop()
+    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
+    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
