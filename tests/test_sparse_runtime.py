@@ -348,3 +348,15 @@ def test_identical_finished_requests_keep_one_host_entry():
     rt.free_request_slots(req2.kv, [(0, 100)])
     rt.on_release(req2)
     assert len(rt.entries) == 1 and rt.host.used_bytes == used
+
+
+def test_a_request_larger_than_the_whole_tier_evicts_no_prefix_entry():
+    """Eviction only when it can make room: a finished entry survives a request that could never fit."""
+    p = params(host_tier_bytes=(14 + 1) * 8 * PER_TOKEN)  # 14 usable pages of 8: 112 tokens
+    rt, pool, alloc, r2t, req, tree, *_ = setup(p, prompt=60, tree_owned=0)
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    rt.free_request_slots(req.kv, [(0, 60)])
+    rt.on_release(req)
+    assert len(rt.entries) == 1
+    assert rt._host_alloc(120) is None  # 15 pages > 14 usable
+    assert len(rt.entries) == 1 and rt.host.available_size() == (14 - 8) * 8

@@ -335,7 +335,13 @@ class SparseRuntime:
 
     # ------------------------------------------------------------------ host tier
     def _host_alloc(self, n_tokens: int) -> torch.Tensor | None:
-        """Host slots for ``n_tokens`` (whole pages), evicting finished entries (LRU first) if needed."""
+        """Host slots for ``n_tokens`` (whole pages), evicting finished entries (LRU first) if needed.
+
+        None, with no entry evicted, when even evicting every entry would not make room.
+        """
+        need = -(-n_tokens // self.host.page_size) * self.host.page_size
+        if need > self.host.available_size() + self.host_entry_tokens():
+            return None
         got = self.host.alloc_tokens(n_tokens)
         while got is None and self.entries:
             _, entry = self.entries.popitem(last=False)
