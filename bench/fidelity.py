@@ -16,9 +16,10 @@ attention), or with ``--dense full_top_k`` the ``dualdecoder`` server at
 prefill per prompt for the whole run). Sparse (one ``dualdecoder`` server, default CPU preset with
 ``prefetch.hit_rate_sample: 1`` so every step's prefetch recall is counted;
 per-request ``custom_params``): ``oracle`` (exact top-k of the real query);
-``spec_host+dual_token`` (the default configuration), the same with
-``dd_miss_policy: repair``, ``spec_host+ngram``, ``spec_host+none``,
-``recency``, ``quest_device``. ``--configs all`` runs every selector x
+``spec_host+dual_token`` (the default configuration: repairs after a rejected
+speculation), the same with ``dd_miss_policy: use_prefetched`` (no repair),
+``spec_host_exact+dual_token`` (every host key scored),
+``spec_host+ngram``, ``spec_host+none``, ``recency``, ``quest_device``. ``--configs all`` runs every selector x
 speculator pair (selectors other than ``spec_host`` read no speculated token
 today, so those pairs repeat ``+none``). Each sparse configuration runs at
 ``dd_top_k`` = context / 8, / 16, / 32 (a *cell* is context x configuration x k).
@@ -85,15 +86,16 @@ from bench.client import (
 from bench.stats import mean_ci, wilson
 from bench.texts import available_texts, needle_prompt, text
 
-SELECTORS = ("spec_host", "recency", "quest_device", "oracle")
+SELECTORS = ("spec_host", "spec_host_exact", "recency", "quest_device", "oracle")
 SPECULATORS = ("dual_token", "ngram", "none")
 DEFAULT_CONFIG = "spec_host+dual_token"
 #: Sparse configurations run by default: name -> custom_params (without dd_top_k).
 CONFIGS = {
     "oracle": {"dd_selector": "oracle", "dd_speculator": "none"},
     "spec_host+dual_token": {"dd_selector": "spec_host", "dd_speculator": "dual_token"},
-    "spec_host+dual_token+repair": {"dd_selector": "spec_host", "dd_speculator": "dual_token",
-                                    "dd_miss_policy": "repair"},
+    "spec_host+dual_token+use_prefetched": {"dd_selector": "spec_host", "dd_speculator": "dual_token",
+                                            "dd_miss_policy": "use_prefetched"},
+    "spec_host_exact+dual_token": {"dd_selector": "spec_host_exact", "dd_speculator": "dual_token"},
     "spec_host+ngram": {"dd_selector": "spec_host", "dd_speculator": "ngram"},
     "spec_host+none": {"dd_selector": "spec_host", "dd_speculator": "none"},
     "recency": {"dd_selector": "recency", "dd_speculator": "none"},
@@ -108,9 +110,9 @@ STOP = ["\n", "."]
 
 
 def all_configs() -> dict[str, dict]:
-    """Every selector x speculator pair, plus the default with ``repair``."""
+    """Every selector x speculator pair, plus the default without repairs (``use_prefetched``)."""
     out = {f"{s}+{p}": {"dd_selector": s, "dd_speculator": p} for s in SELECTORS for p in SPECULATORS}
-    out["spec_host+dual_token+repair"] = CONFIGS["spec_host+dual_token+repair"]
+    out["spec_host+dual_token+use_prefetched"] = CONFIGS["spec_host+dual_token+use_prefetched"]
     return out
 
 

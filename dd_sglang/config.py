@@ -95,9 +95,9 @@ class SparseSection(_Strict):
     layer and KV head, to the resident set plus ``top_k`` host-tier tokens chosen
     by ``selector``: ``oracle`` (exact top-k of the current query over every host
     key, chosen at attention time: a reference), ``spec_host`` (the speculated
-    token's query ranks the host tier's 16-token key blocks by their min/max
-    summaries, then the best blocks are re-ranked exactly; fixed one step
-    ahead, see ``prefetch``), ``spec_host_exact`` (the same query scored
+    token's query scores every host key with the tier's int8 key index, then
+    the best ``rerank x top_k`` are re-ranked exactly; fixed one step ahead,
+    see ``prefetch``), ``spec_host_exact`` (the same query scored
     against every host key: the reference for ``spec_host``), ``quest_device`` (Quest's page min/max key summaries kept on
     the device, current query) or ``recency`` (the previous step's exact top-k,
     fixed one step ahead). A request may
@@ -136,9 +136,9 @@ class PrefetchSection(_Strict):
     what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
     layer and KV head synchronously when the speculated token was rejected.
     ``hit_rate_sample`` is the fraction of steps whose hit rate is measured
-    against the exact top-k. ``rerank``: ``spec_host`` reads the best blocks of
-    its host-tier key index covering ``rerank x top_k`` tokens and re-ranks
-    them exactly. ``transfer``: ``worker`` copies on a worker thread while
+    against the exact top-k. ``rerank``: ``spec_host`` scores every candidate
+    with its int8 host-tier key index and re-ranks the best ``rerank x top_k``
+    with the exact keys. ``transfer``: ``worker`` copies on a worker thread while
     earlier layers compute, ``inline`` on the forward thread when the layer
     needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU.
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
@@ -157,7 +157,7 @@ class PrefetchSection(_Strict):
     miss_policy: Literal["use_prefetched", "repair"] = "repair"
     repair_budget: int = Field(32, ge=1, le=1_000_000)
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
-    rerank: float = Field(4.0, ge=1.0, le=1024.0)
+    rerank: float = Field(2.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline"] = "auto"
     gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
     branches: int = Field(1, ge=1, le=2)

@@ -357,16 +357,19 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--port must be an integer in 1..65535, got {raw_port!r}")
     if flag_value(full_argv, "--attention-backend") == "dualdecoder":
         from dd_sglang.kvcache.host_pool import host_memory_available_bytes
+        from dd_sglang.prefetch.index import quant_index_bytes_bound
 
         for flag in ("--enable-mixed-chunk", "--enable-hierarchical-cache"):
             if has_flag(full_argv, flag):
                 return _fail(f"--attention-backend dualdecoder does not support {flag}; drop that flag")
 
-        need, have = cfg.sparse.host_tier_bytes, host_memory_available_bytes()
+        tier, have = cfg.sparse.host_tier_bytes, host_memory_available_bytes()
+        need = tier + quant_index_bytes_bound(tier)
         if need > have:
             return _fail(
-                f"sparse.host_tier_bytes {need} exceeds the host memory available now ({max(have, 0)} bytes, "
-                "free memory less a 512 MiB margin); lower it in the preset (--dd-config)"
+                f"sparse.host_tier_bytes {tier} and its int8 key index (up to {need - tier} bytes) exceed "
+                f"the host memory available now ({max(have, 0)} bytes, free memory less a 512 MiB margin); "
+                "lower it in the preset (--dd-config)"
             )
     m = cfg.metrics
     if m.port == port:

@@ -134,7 +134,8 @@ def test_launcher_refuses_a_host_tier_larger_than_host_memory(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2
-    assert "sparse.host_tier_bytes 1125899906842624 exceeds the host memory available" in r.stderr
+    assert "sparse.host_tier_bytes 1125899906842624 and its int8 key index" in r.stderr
+    assert "exceed the host memory available" in r.stderr
     assert "starting SGLang" not in r.stderr + r.stdout
 
 

@@ -34,6 +34,7 @@ PROMPT_TARGET = 4200  # passkey_prompt size target: ~4,000 tokens
 CAP = 8400  # device KV pool: two ~4k dense requests fit, three do not
 RESIDENT_BOUND = 4 + 0 + 128 + 64  # n_sink + n_keep + n_recent + page_size (default preset)
 DEPTH = 2  # prefetch.depth (default preset)
+REPAIR_BUDGET = 32  # prefetch.repair_budget (default preset): ring columns for a rejected speculation's repair
 
 
 def kv_row_bytes(srv) -> int:
@@ -296,23 +297,28 @@ def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 40, at: in
 
 def test_device_bytes_of_selection_state(dd_server, tokenizer):
     """quest_device keeps its key-block index on the device (1/16 of the host tier's bytes); spec_host keeps
-    its index in host memory and no device selection state; the layer ring stays within
-    2 x (w+1) x batch x kv_heads x columns x head_dim x dtype bytes (columns: resident + critical + 1)."""
+    its int8 key index in host memory and no device selection state; the layer ring stays within
+    2 x (w+1) x batch x kv_heads x columns x head_dim x dtype bytes (columns: resident + critical +
+    repair + 1), and is given back when the server has no sparse request (the next prefill)."""
     prompt, n = passkey_prompt(tokenizer, PROMPT_TARGET, 0.3, 27182, header="Aux bytes. ")
     text, quest = stream_and_sample(dd_server, prompt, {"dd_selector": "quest_device"})
     assert len(text) > 0  # quest_device may miss the passkey at this budget (see the test above)
     capacity = quest["dd_host_tier_capacity_bytes"]
     assert quest['dd_selector_aux_bytes{selector="quest_device"}'] == capacity // 16
-    columns = RESIDENT_BOUND + 256 + 1
+    columns = RESIDENT_BOUND + 256 + REPAIR_BUDGET + 1
     bound = (DEPTH + 1) * 1 * columns * kv_row_bytes(dd_server)
     assert 0 < quest["dd_layer_ring_buffer_bytes"] <= bound
     text, spec = stream_and_sample(dd_server, prompt, {"dd_selector": "spec_host"})
     assert "27182" in text
     assert spec['dd_selector_aux_bytes{selector="spec_host"}'] == 0
-    assert spec["dd_host_index_bytes"] == capacity // 16  # min and max of K per 16 slots, in host memory
+    # int8 K and a float32 scale per slot, layer and KV head, in host memory
+    assert spec["dd_host_index_bytes"] == capacity // (2 * 64 * dd_server.kv_itemsize) * (64 + 4)
     assert 0 < spec["dd_layer_ring_buffer_bytes"] <= bound
-    # The critical-set columns: 256 of the ring's columns, K and V, every slot.
-    assert spec["dd_critical_set_buffer_bytes"] == (DEPTH + 1) * 1 * 256 * kv_row_bytes(dd_server)
+    # The critical-set columns: 256 of the ring's columns, K and V, every slot; 32 more on a step that
+    # repairs a rejected speculation.
+    assert spec["dd_critical_set_buffer_bytes"] in {
+        (DEPTH + 1) * 1 * cols * kv_row_bytes(dd_server) for cols in (256, 256 + REPAIR_BUDGET)
+    }
 
 
 @pytest.mark.parametrize(
@@ -323,7 +329,7 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
         (
             {"dd_selector": "psychic"},
             "custom_params.dd_selector must be one of "
-            "['spec_host', 'spec_host_exact', 'oracle', 'quest_device', 'recency']",
+            "['spec_host', 'spec_host_exact', 'oracle', 'recency', 'quest_device']",
         ),
         (
             {"dd_speculator": "oracle"},

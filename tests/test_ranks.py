@@ -28,7 +28,7 @@ from dd_sglang.kvcache.host_pool import HostSparseKVPool
 from dd_sglang.kvcache.ranks import RankInfo, current_ranks, host_tier_share
 from dd_sglang.metrics.backend_events import MetricsEvents
 from dd_sglang.metrics.sidecar import create_app
-from dd_sglang.prefetch.index import KeyBlockIndex, row_blocks
+from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex, row_blocks
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
 from tests.test_sparse_runtime import FakeAllocator, FakeTree
 from tests.test_sparse_runtime import params as sparse_params
@@ -158,7 +158,7 @@ def test_critical_sets_on_a_tp_shard_equal_the_full_models_per_kv_head(name, tp)
     q = torch.randn(len(lens), HQ, d, generator=g)
 
     def select(q_, host_k_):
-        index = KeyBlockIndex(host_k_)
+        index = (QuantKeyIndex if name == "spec_host" else KeyBlockIndex)(host_k_)
         for sl, n in zip(slots, lens, strict=True):
             index.update(sl, 0, n)
         return make_selector(name).select(q_, rows, host_k_[1], k, d**-0.5, index, 1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dd_sglang.prefetch.index import BLOCK_TOKENS, KeyBlockIndex, row_blocks
+from dd_sglang.prefetch.index import BLOCK_TOKENS, KeyBlockIndex, QuantKeyIndex, row_blocks
 from dd_sglang.prefetch.selectors import SELECTORS, gqa_token_scores, make_selector
 
 HQ, HKV, D, LAYERS = 9, 3, 16, 2
@@ -103,10 +103,27 @@ def test_exact_selectors_return_the_brute_force_top_k(name):
             assert torch.equal(sl[r, h], slots[r][pos[r, h]])
 
 
-def test_spec_host_index_covering_every_block_is_exact_and_reads_fewer_blocks_otherwise():
+def test_quant_index_holds_int8_keys_and_absmax_scales():
+    host_k, slots = _tier([150])
+    idx = QuantKeyIndex(host_k)
+    idx.update(slots[0], 0, 100)
+    idx.update(slots[0], 100, 150)  # a flush after the offload
+    sl = slots[0][:150]
+    for layer in range(host_k.shape[0]):
+        k = host_k[layer, sl]  # [150, Hkv, D]
+        scale = k.abs().amax(dim=-1) / 127
+        torch.testing.assert_close(idx.scale[layer, sl], scale)
+        assert torch.equal(idx.q8[layer, sl], (k / scale.unsqueeze(-1)).round().to(torch.int8))
+        # the dequantised keys are within half a step of the real ones
+        assert ((idx.q8[layer, sl].float() * idx.scale[layer, sl].unsqueeze(-1) - k).abs()
+                <= scale.unsqueeze(-1) / 2 + 1e-6).all()
+    assert idx.nbytes == host_k.shape[0] * host_k.shape[1] * HKV * (D + 4)
+
+
+def test_spec_host_rerank_covering_every_candidate_is_exact_and_reads_fewer_keys_otherwise():
     lens, his, k = [1200], [1100], 16
     host_k, slots, rows, _ = _rows(lens, his, seed=2)
-    idx = KeyBlockIndex(host_k)
+    idx = QuantKeyIndex(host_k)
     idx.update(slots[0], 0, 1200)
     q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3))
     exact = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
@@ -114,26 +131,26 @@ def test_spec_host_index_covering_every_block_is_exact_and_reads_fewer_blocks_ot
     assert torch.equal(wide.sort(dim=-1).values, exact.sort(dim=-1).values)
     sel = SELECTORS["spec_host"](rerank=2)
     chosen_pos, _, score = sel.score(q, rows, host_k[0], k, SCALE, idx, 0)
-    # ceil((2 x 16 + holes) / 16) blocks per KV head are read, not all 69.
-    assert chosen_pos.shape[2] == 16 * -(-(2 * k + rows.holes) // 16) < 1100
+    assert chosen_pos.shape[2] == 2 * k  # exact keys read per KV head, not all ~1100 candidates
     pos, _ = sel.select(q, rows, host_k[0], k, SCALE, idx, 0)
     assert ((pos >= 4) & (pos < 1100)).all()
     assert all(len(set(pos[0, h].tolist())) == k for h in range(HKV))
+    # int8 scores rank like the exact ones: rerank 2 finds the exact top-k (random keys, no ties)
+    assert torch.equal(pos.sort(dim=-1).values, exact.sort(dim=-1).values)
 
 
-def test_spec_host_finds_tokens_in_the_blocks_whose_bound_stands_out():
-    """Keys aligned with the query in three blocks: the index points at those blocks, re-ranking finds them."""
+def test_spec_host_finds_tokens_aligned_with_the_query():
+    """Keys aligned with the query at 12 scattered positions: the int8 scores rank them first."""
     lens, his, k = [2000], [1900], 12
     host_k, slots, rows, _ = _rows(lens, his, seed=4)
     q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(6))
-    hot = torch.tensor([130, 131, 132, 133, 700, 701, 702, 703, 1500, 1501, 1502, 1503])
-    host_k *= 0.2  # background keys small: the bounds of blocks without a hot key stay low
+    hot = torch.tensor([130, 311, 402, 533, 700, 871, 902, 1003, 1500, 1611, 1702, 1803])
+    host_k *= 0.2
     for h in range(HKV):
         host_k[0, slots[0][hot], h] = 3 * q[0, h * 3] / q[0, h * 3].norm()
-    idx = KeyBlockIndex(host_k)
+    idx = QuantKeyIndex(host_k)
     idx.update(slots[0], 0, 2000)
-    # rerank 4: ceil((48 + 8 holes) / 16) = 4 of 119 blocks are read; the 3 hot ones among them.
-    pos, _ = make_selector("spec_host", rerank=4).select(q, rows, host_k[0], k, SCALE, idx, 0)
+    pos, _ = make_selector("spec_host", rerank=1).select(q, rows, host_k[0], k, SCALE, idx, 0)
     exact = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
     for h in range(HKV):
         assert set(exact[0, h].tolist()) == set(hot.tolist())
@@ -171,7 +188,7 @@ def test_unknown_selector_and_bad_k_are_refused():
     host_k, _, rows, _ = _rows([100], [90])
     with pytest.raises(ValueError, match="k must be"):
         make_selector("oracle").select(torch.zeros(1, HQ, D), rows, host_k[0], 0, SCALE)
-    with pytest.raises(ValueError, match="needs a KeyBlockIndex"):
+    with pytest.raises(ValueError, match="needs an index"):
         make_selector("spec_host").select(torch.zeros(1, HQ, D), rows, host_k[0], 4, SCALE)
 
 

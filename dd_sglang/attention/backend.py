@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from dd_sglang.kernels.dispatch import SparseAttention
 from dd_sglang.kernels.sparse_decode import unfold_gqa
+from dd_sglang.kvcache.dualpath import PathState
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 from dd_sglang.prefetch.params import PrefetchParams
@@ -168,6 +169,7 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.dense.init_forward_metadata(forward_batch)
         forward_batch.dd_step = None
         if not forward_batch.forward_mode.is_decode():
+            self._release_ring_when_no_sparse_request()
             return
         started = time.perf_counter()
         rt = self.runtime()
@@ -196,6 +198,18 @@ class DualDecoderAttnBackend(AttentionBackend):
             if self._sub_batch_ok:
                 dense_batch = self._sub_batch(forward_batch, dense_rows)
         forward_batch.dd_step = _DecodeStep(plan, dense_rows, dense_batch, self.events, started)
+
+    def _release_ring_when_no_sparse_request(self) -> None:
+        """A prefill with no request decoding sparsely: give the layer ring back (it is sized to
+        the largest batch since the last release, so an idle server holds none of it)."""
+        rt = self.runtime()
+        if self.runner is None or rt is None or self.runner.ring.k is None:
+            return
+        if any(st.path.state is PathState.DECODE_SPARSE for st in rt.by_pool.values()):
+            return
+        self.runner.end_step()
+        self.runner.ring.release()
+        rt.ring_buffer_bytes = rt.critical_buffer_bytes = 0
 
     @staticmethod
     def _sub_batch(fb, idx: torch.Tensor):

@@ -174,8 +174,9 @@ SELECTOR_AUX_BYTES = Gauge(
 )
 HOST_INDEX_BYTES = Gauge(
     "dd_host_index_bytes",
-    "Host-memory bytes of the key-block index (min/max key summaries per 16-token block) spec_host ranks "
-    "blocks with: 1/16 of the host tier's bytes once any spec_host request ran.",
+    "Host-memory bytes of the int8 key index spec_host and repairs score candidates with (int8 keys and "
+    "a float32 scale per token, layer and KV head): (head_dim + 4) / (2 x head_dim x KV itemsize) of the "
+    "host tier's bytes once any lookahead request ran.",
     multiprocess_mode="livesum",
 )
 TRANSFER_BYTES = Counter(

@@ -20,8 +20,8 @@ class PrefetchParams:
         repair_budget: tokens per layer and KV head a repair may add.
         hit_rate_sample: fraction of (request, step)s on which the exact top-k of the real
             query is computed to measure the prefetch hit rate (0 disables, 1 every step).
-        rerank: ``spec_host`` reads and re-ranks exactly the best blocks of its host-tier
-            index covering ``rerank x k`` tokens (:class:`~dd_sglang.prefetch.selectors.SpecHostSelector`).
+        rerank: ``spec_host`` re-ranks exactly the ``rerank x k`` best candidates of its
+            int8 host-tier key index (:class:`~dd_sglang.prefetch.selectors.SpecHostSelector`).
         transfer: ``worker`` (copies on the copy worker, overlapping the layers before) or
             ``inline`` (on the forward thread when the layer needs them); ``auto``: ``worker``
             on CUDA, ``inline`` on a CPU device.
@@ -38,7 +38,7 @@ class PrefetchParams:
     miss_policy: str = "repair"
     repair_budget: int = 32
     hit_rate_sample: float = 0.05
-    rerank: float = 4.0
+    rerank: float = 2.0
     transfer: str = "auto"
     gather: str = "auto"
     branches: int = 1

@@ -54,7 +54,7 @@ class RequestPrediction:
 
     Attributes:
         spec: the speculator's state.
-        indexed: positions of the request summarised in the block index, by location
+        indexed: positions of the request in the key index, by location
             (``"host"``, ``"device"``).
     """
 
@@ -220,7 +220,7 @@ class _Row:
 class PlanInputs:
     """What :func:`build_step_plan` reads besides the forward batch (wired once by the backend).
 
-    ``selectors`` / ``speculators``: instances by name; ``indexes``: block index by location
+    ``selectors`` / ``speculators``: instances by name; ``indexes``: key index by location
     (``"host"``, ``"device"``), created on first use by ``make_index(location)``.
     """
 
@@ -269,7 +269,7 @@ def _index_locations(r: _Row) -> tuple[str, ...]:
 
 
 def _update_indexes(rows: list[_Row], inp: PlanInputs, host_len) -> None:
-    """Summarise newly offloaded / flushed positions in the block indexes the rows read."""
+    """Index newly offloaded / flushed positions in the key indexes the rows read."""
     for r in rows:
         for loc in _index_locations(r):
             done = r.pred.indexed.get(loc, 0)

@@ -25,7 +25,7 @@ select worker, the choice of the next step's sets from this layer's queries
 
 The runner owns the prefetch layer's state: per-request prediction state
 (:class:`~dd_sglang.prefetch.plan.PredictionStore`, released with the request),
-the block indexes, the layer ring and the schedule.
+the key indexes, the layer ring and the schedule.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from dd_sglang.kernels.sparse_decode import fold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
 from dd_sglang.prefetch.gather import RingGather, flat_rows
-from dd_sglang.prefetch.index import KeyBlockIndex
+from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
 from dd_sglang.prefetch.schedule import TransferSchedule
@@ -121,7 +121,7 @@ class SparseStepRunner:
         self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline)
         self.gather = RingGather(host.k, host.v, self.device, params.gather)
         self.store = PredictionStore()
-        self.indexes: dict[str, KeyBlockIndex] = {}
+        self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
         self.inputs = PlanInputs(
             req_to_token=req_to_token,
             selectors={name: make_selector(name, params.rerank) for name in SELECTORS},
@@ -137,12 +137,16 @@ class SparseStepRunner:
         self._repair_scorer = make_selector("spec_host", params.rerank)
 
     # ------------------------------------------------------------------ state
-    def index(self, location: str) -> KeyBlockIndex:
-        """The block index at ``location`` (``"host"`` or ``"device"``), created on first use."""
+    def index(self, location: str) -> KeyBlockIndex | QuantKeyIndex:
+        """The index at ``location``, created on first use: ``"host"``, the int8 key index
+        ``spec_host`` and repairs read (host memory); ``"device"``, ``quest_device``'s block index."""
         idx = self.indexes.get(location)
         if idx is None:
-            where = "cpu" if location == "host" else self.device
-            idx = self.indexes[location] = KeyBlockIndex(self.host.k, where)
+            if location == "host":
+                idx = QuantKeyIndex(self.host.k, "cpu")
+            else:
+                idx = KeyBlockIndex(self.host.k, self.device)
+            self.indexes[location] = idx
         return idx
 
     def aux_bytes(self) -> dict[str, int]:
@@ -151,7 +155,7 @@ class SparseStepRunner:
         return {"quest_device": dev.nbytes} if dev is not None else {}
 
     def host_index_bytes(self) -> int:
-        """Host bytes of the block index ``spec_host`` reads."""
+        """Host bytes of the int8 key index ``spec_host`` and repairs read."""
         idx = self.indexes.get("host")
         return idx.nbytes if idx is not None else 0
 
@@ -256,9 +260,9 @@ class SparseStepRunner:
         """Rows whose speculation missed: the ``repair_budget`` best non-prefetched candidates of
         the real query, per KV head, into the repair columns (a synchronous gather).
 
-        The real query ranks the host-tier block index (every lookahead row is summarised there)
-        and re-ranks the best blocks exactly, as ``spec_host`` does for its own query: a repair
-        reads ``rerank x (k + repair_budget)`` keys per KV head, not the whole context.
+        The real query scores the candidates with the host-tier int8 key index (every lookahead
+        row is indexed there) and re-ranks the best exactly, as ``spec_host`` does for its own
+        query: a repair reads ``rerank x (k + repair_budget)`` exact keys per KV head.
         """
         rows = plan.repair_rows
         blocks = plan.blocks.take(rows)

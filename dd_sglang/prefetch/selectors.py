@@ -13,8 +13,9 @@ Interface (every selector, one layer, every row of the step it serves at once)::
   row has more than ``k`` candidates.
 * ``host_k``: the layer's host-tier keys, ``shape: [host_slots, num_kv_heads, head_dim]``.
 * ``k``: critical-set budget in tokens per KV head (>= 1).
-* ``index``: the :class:`~dd_sglang.prefetch.index.KeyBlockIndex` the selector
-  reads (:attr:`Selector.index_location` says where it lives), else None.
+* ``index``: the index the selector reads (``spec_host``:
+  :class:`~dd_sglang.prefetch.index.QuantKeyIndex`; ``quest_device``:
+  :class:`~dd_sglang.prefetch.index.KeyBlockIndex`) (:attr:`Selector.index_location` says where it lives), else None.
 * Result: ``positions`` and host-tier ``slots``, each
   ``shape: [rows, num_kv_heads, k], dtype: torch.int64``, best first.
 
@@ -27,9 +28,10 @@ Policies:
 * ``spec_host_exact``: exact top-k of the *speculated* token's query over every
   candidate key in the host tier, one step ahead: the reference the default
   is measured against.
-* ``spec_host`` (default): the speculated token's query ranks the host-tier
-  block summaries; only the best blocks, covering ``rerank x k`` tokens, are
-  read and re-ranked exactly. No device state.
+* ``spec_host`` (default): the speculated token's query scores every host-tier
+  candidate with the int8 key index (:class:`~dd_sglang.prefetch.index.QuantKeyIndex`,
+  host memory) and re-ranks the best ``rerank x k`` with the exact keys. No
+  device state.
 * ``quest_device``: Quest with the current query: block summaries kept on the
   device, the best blocks' tokens (no key read), at attention time.
 
@@ -44,11 +46,13 @@ import torch
 from dd_sglang.prefetch.index import (
     BLOCK_TOKENS,
     KeyBlockIndex,
+    QuantKeyIndex,
     RowBlocks,
     all_blocks,
     block_scores,
     block_tokens,
     token_log_scores,
+    token_logits,
 )
 
 
@@ -85,7 +89,7 @@ class Selector:
             True: the set for step t+1 is chosen during step t and copied ahead of attention.
         uses_speculator: the selection query is the speculated token's (a second query
             position rides in the batch).
-        index_location: ``"host"`` or ``"device"``: where the block index it reads lives;
+        index_location: ``"host"`` or ``"device"``: where the index it reads lives;
             None: it reads no index.
     """
 
@@ -96,7 +100,7 @@ class Selector:
 
     def score(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
-        index: KeyBlockIndex | None, layer: int,
+        index: KeyBlockIndex | QuantKeyIndex | None, layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Candidate tokens and their scores: ``(positions, slots, score)``, each
         ``[rows, num_kv_heads, n]`` (score float32, ``-inf`` for non-candidates)."""
@@ -104,7 +108,7 @@ class Selector:
 
     def select(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
-        index: KeyBlockIndex | None = None, layer: int = 0,
+        index: KeyBlockIndex | QuantKeyIndex | None = None, layer: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The ``k`` best candidates per row and KV head (module docstring).
 
@@ -114,7 +118,7 @@ class Selector:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if self.index_location is not None and index is None:
-            raise ValueError(f"selector {self.name} needs a KeyBlockIndex")
+            raise ValueError(f"selector {self.name} needs an index ({self.index_location})")
         pos, slots, score = self.score(q, rows, host_k, k, scale, index, layer)
         top = score.topk(k, dim=-1).indices
         return pos.gather(-1, top), slots.gather(-1, top)
@@ -149,16 +153,19 @@ class SpecHostExactSelector(OracleSelector):
 
 
 class SpecHostSelector(Selector):
-    """The speculated token's query over the host-tier block index, then exact re-ranking (the default).
+    """The speculated token's query over the host tier's int8 key index, then exact re-ranking (the default).
 
-    Blocks are ranked by their bound (:func:`~dd_sglang.prefetch.index.block_scores`); the
-    best ``m`` blocks per KV head, ``m = ceil((rerank x k + holes) / 16)``, are read from the
-    host tier and scored exactly; the top-k of those is the set. Keys read per layer and KV
-    head: ``2 x blocks`` summary rows plus ``16 m`` keys, instead of every candidate. The
-    index lives in host memory: no device bytes.
+    Every candidate is scored with the int8 keys
+    (:meth:`~dd_sglang.prefetch.index.QuantKeyIndex.logits`); the ``m = ceil(rerank x k)``
+    best, by the max over the GQA group of the approximate softmax probability, are read
+    from the host tier and scored exactly; the top-k of those is the set. The softmax
+    normaliser of every query head is the approximate one over all candidates, so the
+    exact re-ranked scores compare across the group as the exact selector's do. Key bytes
+    read per layer and KV head: ``n x (head_dim + 4)`` int8 and scales plus ``m`` exact
+    keys, instead of ``n`` exact keys. The index lives in host memory: no device bytes.
 
     Args:
-        rerank: the blocks re-ranked cover ``rerank x k`` candidate tokens (>= 1).
+        rerank: ``rerank x k`` tokens are re-ranked exactly (>= 1).
 
     Raises:
         ValueError: ``rerank < 1``.
@@ -169,20 +176,22 @@ class SpecHostSelector(Selector):
     uses_speculator = True
     index_location = "host"
 
-    def __init__(self, rerank: float = 4.0):
+    def __init__(self, rerank: float = 2.0):
         if rerank < 1:
             raise ValueError(f"prefetch.rerank must be >= 1, got {rerank}")
         self.rerank = rerank
 
     def score(self, q, rows, host_k, k, scale, index, layer):
-        n_blocks = rows.blocks.shape[1]
-        m = min(n_blocks, -(-(int(self.rerank * k) + rows.holes) // BLOCK_TOKENS))
-        if m == n_blocks:
-            chosen = all_blocks(rows, host_k.shape[1])
-        else:
-            chosen = block_scores(q, rows, index, layer, scale).topk(m, dim=-1).indices
-        pos, slots, ok = block_tokens(rows, chosen)
-        return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
+        pos, slots, ok = block_tokens(rows, all_blocks(rows, host_k.shape[1]))
+        m = int(-(-self.rerank * k // 1))
+        if m >= slots.shape[-1]:
+            return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
+        approx = index.logits(q, layer, slots, ok, scale)  # [R, Hkv, group, n]
+        z = torch.logsumexp(approx, dim=-1, keepdim=True)
+        best = (approx - z).amax(dim=2).topk(m, dim=-1).indices
+        pos, slots, ok = pos.gather(-1, best), slots.gather(-1, best), ok.gather(-1, best)
+        exact = token_logits(q, host_k, slots, ok, scale)
+        return pos, slots, (exact - z).amax(dim=2)
 
 
 class QuestDeviceSelector(Selector):
@@ -213,7 +222,7 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
-def make_selector(name: str, rerank: float = 4.0) -> Selector:
+def make_selector(name: str, rerank: float = 2.0) -> Selector:
     """Instantiate a selector by name (``rerank`` applies to ``spec_host``).
 
     Raises:
