@@ -39,7 +39,7 @@ from bench.prompts import FILLER, passkey_prompt
 from bench.server import ROOT, scrape
 
 MODEL = "smollm2-135m-instruct"
-ANSWER = "The pass key is"
+ANSWER = "The pass key is "  # the trailing space: the model then answers with the digits (without it, " the pass key..." in float32)
 RESULT = ROOT / "bench" / "results" / "routing_cpu.json"
 
 

@@ -34,7 +34,7 @@ CAP = 7168  # device KV pool per worker (tokens)
 HOST_TIER_BYTES = 512 * 1024**2  # per worker: 11,650 float32 tokens (the CPU default without bf16)
 TURN_TOKENS = 3000  # ~tokens per user turn
 PASSKEY = 48213
-ANSWER = "The pass key is"
+ANSWER = "The pass key is "  # the trailing space: the model then answers with the digits (without it, " the pass key..." in float32)
 
 
 @pytest.fixture(scope="module")
