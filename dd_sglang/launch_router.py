@@ -77,18 +77,13 @@ HEALTH_CHECK_INTERVAL_S = 5
 #:   waits behind the running batch: a worker busy with a long prefill misses smg's 5 s timeout
 #:   and loses its sessions to another worker;
 #: * no cache hit diverted to a "thin" worker to warm it (smg diverts one hit in 8 by default):
-#:   with the host tier a hit is a long prefix reloaded instead of recomputed;
-#: * a worker's circuit opens after 3 failed requests (smg's default is 10): a request routed to a
-#:   worker that just died is retried (smg retries 5 times within ~0.5 s), and once the circuit
-#:   is open the retry goes to another worker, long before two failed health checks (~10 s)
-#:   take the dead one out; with 10 the retries ran out on the dead worker (an HTTP 500).
+#:   with the host tier a hit is a long prefix reloaded instead of recomputed.
 SMG_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("--health-check-endpoint", "/ready"),
     ("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
     ("--health-failure-threshold", "2"),
     ("--health-check-timeout-secs", "5"),
     ("--worker-warmup-divert-every", "0"),
-    ("--cb-failure-threshold", "3"),
 )
 #: Worker flags the router assigns itself.
 RESERVED_WORKER_FLAGS = ("--port", "--metrics-port", "--host", "--metrics-host")

@@ -27,6 +27,7 @@ import yaml
 from bench.gateway import served_by, start_gateway
 from bench.prompts import FILLER, INSTRUCTION, passkey_prompt
 from bench.server import ROOT, scrape
+from dd_sglang.launch_router import healthy_workers
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2-135m-instruct"
@@ -132,6 +133,11 @@ def test_killing_a_worker_routes_new_sessions_to_the_other(gateway, tokenizer):
     victim, survivor = 1, 0
     gw.kill_worker(victim)
     t0 = time.monotonic()
+    # Until two health checks fail (~10 s) smg may still pick the dead worker, and its retries
+    # (within ~0.5 s) go to the same one: wait until the gateway has taken it out.
+    while healthy_workers(gw.url) != 1 and time.monotonic() - t0 < 60:
+        time.sleep(0.5)
+    assert healthy_workers(gw.url) == 1, "the gateway still routes to the killed worker after 60 s"
     before = gw.requests_served()[survivor]
 
     def session(i: int) -> str:
