@@ -10,6 +10,7 @@ the test session's.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +206,11 @@ def n_layers_of_model() -> int:
     from dd_sglang.models.smollm2 import prepare_model
 
     return int(json.loads((prepare_model(progress=False) / "config.json").read_text())["num_hidden_layers"])
+
+
+def write_result(result: dict, path: str | Path) -> None:
+    """Write a suite's result as indented JSON to ``path`` (parent folders created) and print where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"-> {out}")

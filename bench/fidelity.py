@@ -62,7 +62,6 @@ Nothing here is a pass/fail test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -82,6 +81,7 @@ from bench.client import (
     prefill_logprobs,
     served,
     stop_left_running,
+    write_result,
 )
 from bench.stats import mean_ci, wilson
 from bench.texts import available_texts, needle_prompt, text
@@ -392,10 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_left_running()
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"-> {out}")
+    write_result(result, args.out)
     return 0
 
 

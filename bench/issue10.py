@@ -33,13 +33,12 @@ and whether they fall inside the top-k.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.client import Counters, forced_scores, generate, n_layers_of_model, served
+from bench.client import Counters, forced_scores, generate, n_layers_of_model, served, write_result
 from bench.texts import issue10_prompt
 
 DEFAULT = {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
@@ -196,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if losing:
             result["offline"] = offline_part(tok, ids, result["reference"]["ids"], min(losing))
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"-> {out}")
+    write_result(result, args.out)
     return 0
 
 

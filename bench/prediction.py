@@ -40,7 +40,6 @@ Nothing here is a pass/fail test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -52,7 +51,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.client import Counters, generate, n_layers_of_model, served
+from bench.client import Counters, generate, n_layers_of_model, served, write_result
 from bench.fidelity import parse_configs
 from bench.stats import mean_ci
 from bench.texts import available_texts, text
@@ -230,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing": timing,
     }  # fmt: skip
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"-> {out}")
+    write_result(result, args.out)
     return 0
 
 
