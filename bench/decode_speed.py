@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
-                                 [--batches 1,8] [--new-tokens 32]
+                                 [--batches 1,8] [--new-tokens 32] [--select-worker]
 
 One run, two servers with room for every request densely (``--max-total-tokens``
 ``--pool-tokens``): SGLang's own dense path (``torch_native``) and
@@ -27,6 +27,10 @@ sparse attention calls) and ``rest`` (the rest of the model: projections,
 MLP, norms, logits, and SGLang's per-step work inside the forward). Work off
 the forward thread is reported beside it: ``select_ahead`` (next-step
 selection on the select worker) and ``copy`` (the copy worker's gathers).
+With ``--select-worker`` a third server runs the same preset with
+``prefetch.select: worker`` (the next step's selection on the select worker
+thread instead of inline on the forward thread, a CPU's default) and each
+cell's sparse default again there (``dualdecoder_sparse_select_worker``).
 Ratios are sparse over dense measured in this run; absolute times on a shared
 CPU are noise. Nothing here is a pass/fail test.
 """
@@ -45,9 +49,10 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from bench.prompts import passkey_prompt
-from bench.server import scrape, start_server
+from bench.server import ROOT, scrape, start_server
 
 PHASES = ("plan", "select", "assemble", "attention")
 
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
+    ap.add_argument("--select-worker", action="store_true",
+                    help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -132,13 +139,29 @@ def main(argv: list[str] | None = None) -> int:
             cells.append({"context": c, "batch": b, "prompts": prompts})
     tmp = Path(tempfile.mkdtemp(prefix="dd_speed_"))
     results = {f"{c['context']}x{c['batch']}": {"context": c["context"], "batch": c["batch"]} for c in cells}
-    for backend in ("torch_native", "dualdecoder"):
-        srv = start_server(tmp / f"{backend}.log", args.pool_tokens, ["--attention-backend", backend], timeout=900)
+    servers = {"torch_native": ["--attention-backend", "torch_native"], "dualdecoder": ["--attention-backend", "dualdecoder"]}
+    if args.select_worker:
+        preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+        preset.setdefault("prefetch", {})["select"] = "worker"
+        (tmp / "select_worker.yaml").write_text(yaml.safe_dump(preset))
+        servers["select_worker"] = ["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "select_worker.yaml")]
+    for backend, flags in servers.items():
+        srv = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900)
         try:
             for c in cells:
                 res = results[f"{c['context']}x{c['batch']}"]
                 if backend == "torch_native":
                     res["sglang_dense"] = run_batch(srv.url, c["prompts"], args.new_tokens, None)
+                    continue
+                if backend == "select_worker":
+                    before = scrape(srv.metrics_url)
+                    r = run_batch(srv.url, c["prompts"], args.new_tokens, {})
+                    time.sleep(0.5)
+                    r["breakdown"] = breakdown(before, scrape(srv.metrics_url), "sparse")
+                    res["dualdecoder_sparse_select_worker"] = r
+                    res["select_worker_over_sglang_dense"] = (
+                        r["decode_tokens_per_second"] / res["sglang_dense"]["decode_tokens_per_second"]
+                    )
                     continue
                 for name, custom, kind in (("dense", {"dd_sparse": False}, "dense"), ("sparse", {}, "sparse")):
                     before = scrape(srv.metrics_url)

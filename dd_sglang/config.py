@@ -141,6 +141,11 @@ class PrefetchSection(_Strict):
     with the exact keys. ``transfer``: ``worker`` copies on a worker thread while
     earlier layers compute, ``inline`` on the forward thread when the layer
     needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU.
+    ``select``: where step t+1's selection runs: ``worker`` (a thread beside
+    the forward pass: on CUDA it overlaps GPU compute), ``inline`` (on the
+    forward thread right after the layer's attention: on a CPU the worker only
+    competes with the forward pass for the same cores and the GIL), ``auto``
+    (``worker`` on CUDA, ``inline`` on a CPU).
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
     transfer kernel reading the pinned tier on the GPU, bounded blocks;
     ``staging``: host gather into pinned memory, one copy; ``cpu``; ``auto``:
@@ -159,6 +164,7 @@ class PrefetchSection(_Strict):
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
     rerank: float = Field(2.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline"] = "auto"
+    select: Literal["auto", "worker", "inline"] = "auto"
     gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
     branches: int = Field(1, ge=1, le=2)
     confident: float = Field(0.9, ge=0.0, le=1.0)

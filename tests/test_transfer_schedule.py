@@ -125,3 +125,15 @@ def test_selection_jobs_finish_before_the_next_step_copies():
         assert torch.all(k_slot[0] == layer)
         sched.done(layer)
     sched.end_step()
+
+
+def test_inline_selection_runs_on_the_calling_thread_before_submit_returns():
+    ring = LayerRingBuffer(1, "cpu", torch.float32)
+    sched = TransferSchedule(ring, select_inline=True)
+    threads = []
+    sched.submit_select(lambda: threads.append(threading.current_thread()))
+    assert threads == [threading.current_thread()]  # done before submit_select returned
+    worker = TransferSchedule(ring)
+    worker.submit_select(lambda: threads.append(threading.current_thread()))
+    worker.drain_select()
+    assert threads[1].name == "dd-select"

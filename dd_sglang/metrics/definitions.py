@@ -188,8 +188,8 @@ STEP_PHASE_SECONDS = Counter(
     "dd_step_phase_seconds",
     "Decode forward time by phase, summed: plan (building the step plan), select (choosing critical sets on "
     "the forward thread: cold starts, synchronous selectors, repairs), assemble (resident gather and attention "
-    "inputs), attention (dense and sparse attention calls), select_ahead (next-step selection on the select "
-    "worker, off the forward thread). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
+    "inputs), attention (dense and sparse attention calls), select_ahead (next-step selection: on the select "
+    "worker, off the forward thread, or inline on it with prefetch.select inline, a CPU's default). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
     ["phase"],
 )
 DECODE_STEPS = Counter(

@@ -28,6 +28,10 @@ class PrefetchParams:
         branches: ``dual_token`` rides up to this many tokens (1 or 2): with 2, an unconfident
             argmax rides with the second most likely token and the selector ranks by both.
         confident: top-1 probability at or above which one token rides.
+        select: where the next step's selection runs: ``worker`` (the select worker thread),
+            ``inline`` (the forward thread, after the layer's attention); ``auto``: ``worker``
+            on CUDA, ``inline`` on a CPU device (where a worker only competes for the same
+            cores: ``bench/results/decode_speed_cpu.json``).
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
             ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
             ``staging`` (CUDA: host gather into pinned staging, then one copy).
@@ -40,6 +44,7 @@ class PrefetchParams:
     hit_rate_sample: float = 0.05
     rerank: float = 2.0
     transfer: str = "auto"
+    select: str = "auto"
     gather: str = "auto"
     branches: int = 1
     confident: float = 0.9

@@ -117,8 +117,11 @@ class SparseStepRunner:
         self.params = params
         self.events = events or _NO_EVENTS
         self.ring = LayerRingBuffer(params.depth, self.device, dtype)
-        inline = params.transfer == "inline" or (params.transfer == "auto" and self.device.type != "cuda")
-        self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline)
+        cpu = self.device.type != "cuda"
+        inline = params.transfer == "inline" or (params.transfer == "auto" and cpu)
+        select_inline = params.select == "inline" or (params.select == "auto" and cpu)
+        self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline,
+                                         select_inline=select_inline)  # fmt: skip
         self.gather = RingGather(host.k, host.v, self.device, params.gather)
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}

@@ -17,7 +17,10 @@ selectors, :mod:`dd_sglang.prefetch.selectors`). Step t+1 then runs:
    the slots in use never exceed ``w + 1`` (the
    :class:`~dd_sglang.kvcache.layer_buffers.LayerRingBuffer`).
 4. During step t+1, each lookahead layer queues the selection of step t+2's
-   set for that layer (:meth:`TransferSchedule.submit_select`).
+   set for that layer (:meth:`TransferSchedule.submit_select`); with
+   ``select_inline=True`` (a CPU's default) the selection runs right there on
+   the forward thread instead of the select worker, where it would only
+   compete with the forward pass for the same cores.
 
 Workers: two daemon threads (copy, select) fed by FIFO queues. With
 ``inline=True`` the copy runs on the forward thread instead, when
@@ -132,9 +135,11 @@ class TransferSchedule:
         ring: LayerRingBuffer,
         on_step: Callable[[list[LayerTiming]], None] | None = None,
         inline: bool = False,
+        select_inline: bool = False,
     ):
         self.ring = ring
         self.inline = inline
+        self.select_inline = select_inline
         self._inline_jobs: dict[int, Callable[[], None]] = {}
         self.depth = ring.depth
         self.on_step = on_step
@@ -255,8 +260,11 @@ class TransferSchedule:
 
     # ------------------------------------------------------------------ selection
     def submit_select(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (a next-step selection) on the select worker."""
-        self._select.submit(fn)
+        """Run ``fn`` (a next-step selection) on the select worker, or now with ``select_inline``."""
+        if self.select_inline:
+            fn()
+        else:
+            self._select.submit(fn)
 
     def drain_select(self) -> None:
         """Wait for every queued selection job (re-raises a failure)."""
