@@ -142,7 +142,8 @@ class PrefetchSection(_Strict):
     earlier layers compute, ``inline`` on the forward thread when the layer
     needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU.
     ``select``: where step t+1's selection runs: ``worker`` (a thread beside
-    the forward pass: on CUDA it overlaps GPU compute), ``inline`` (on the
+    the forward pass: on CUDA it overlaps GPU compute; on a CPU it runs its
+    ops on one intra-op thread), ``inline`` (on the
     forward thread right after the layer's attention: on a CPU the worker only
     competes with the forward pass for the same cores and the GIL), ``auto``
     (``worker`` on CUDA, ``inline`` on a CPU).

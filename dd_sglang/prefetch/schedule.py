@@ -85,7 +85,8 @@ class LayerTiming:
 class _Worker:
     """A daemon thread running callables from a FIFO queue; errors are kept for the caller."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, threads: int | None = None):
+        self.threads = threads
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0
         self.cv = threading.Condition()
@@ -94,6 +95,8 @@ class _Worker:
         self.thread.start()
 
     def _run(self) -> None:
+        if self.threads is not None:  # PyTorch's intra-op thread count is per calling thread
+            torch.set_num_threads(self.threads)
         while True:
             fn = self.q.get()
             try:
@@ -144,7 +147,9 @@ class TransferSchedule:
         self.depth = ring.depth
         self.on_step = on_step
         self._copy = _Worker("dd-copy")
-        self._select = _Worker("dd-select")
+        # On a CPU the select worker shares the forward pass's cores: one intra-op thread, so its
+        # ops do not also fan out over the cores the forward is using.
+        self._select = _Worker("dd-select", threads=None if ring.device.type == "cuda" else 1)
         self._cuda = ring.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=ring.device) if self._cuda else None
         self._gather: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
