@@ -5,7 +5,7 @@
   request, :mod:`dd_sglang.prefetch.speculators`), record each one's argmax for
   the ``dual_token`` speculator and cut their rows, so SGLang samples exactly
   ``batch_size`` rows as usual, and report the step's time
-  (:func:`dd_sglang.attention.backend.finish_step`; the step's plan is read from
+  (:func:`dd_sglang.attention.step.finish_step`; the step's plan is read from
   the forward batch, the ``logits_metadata`` argument). Otherwise the output
   passes through untouched.
 """
@@ -18,7 +18,7 @@ _MODULE = "sglang.srt.layers.logits_processor"
 
 
 def LogitsProcessor_forward(result, self, *args, **kwargs):
-    from dd_sglang.attention.backend import finish_step
+    from dd_sglang.attention.step import finish_step
 
     fb = args[3] if len(args) > 3 else kwargs.get("logits_metadata")
     finish_step(result, fb)

@@ -38,72 +38,21 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from dd_sglang.attention.step import BackendEvents, DecodeStep, finish_step
 from dd_sglang.kernels.dispatch import SparseAttention
 from dd_sglang.kernels.sparse_decode import unfold_gqa
 from dd_sglang.kvcache.dualpath import PathState
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 from dd_sglang.prefetch.params import PrefetchParams
-from dd_sglang.prefetch.plan import StepPlan
-from dd_sglang.prefetch.runner import PrefetchEvents, SparseStepRunner
+from dd_sglang.prefetch.runner import SparseStepRunner
 
 __all__ = ["BackendEvents", "DualDecoderAttnBackend", "PrefetchParams", "SparseParams", "finish_step"]
-
-
-class BackendEvents(PrefetchEvents):
-    """What the backend reports (the plugin turns it into Prometheus metrics); no-ops here."""
-
-    def sparse_rows(self, n: int) -> None:
-        """``n`` (request, layer) rows were decoded sparsely."""
-
-    def step(self, kind: str, seconds: float) -> None:
-        """A decode forward finished: ``kind`` ``sparse`` (it had sparse rows) or ``dense``."""
-
-
-@dataclass
-class _DecodeStep:
-    """Backend-side state of one decode forward (on the batch as ``forward_batch.dd_step``)."""
-
-    plan: StepPlan | None
-    dense_rows: torch.Tensor | None
-    dense_batch: object
-    events: BackendEvents
-    started: float
-    attention_s: float = 0.0
-
-
-def finish_step(output, forward_batch) -> None:
-    """End of a decode forward (the ``LogitsProcessor.forward`` hook calls it with its output).
-
-    Cuts the speculated positions' rows from ``output`` (``next_token_logits`` goes from
-    ``[batch_size + n_spec, vocab]`` to ``[batch_size, vocab]``, hidden states alike),
-    storing each one's two most likely next tokens and their probabilities in its request's
-    ``SpecState`` (``dual_token``), and reports the step's time. A no-op for batches this backend did not plan.
-    """
-    step = getattr(forward_batch, "dd_step", None)
-    if not isinstance(step, _DecodeStep):
-        return
-    forward_batch.dd_step = None
-    plan = step.plan
-    logits = getattr(output, "next_token_logits", None)
-    if plan is not None and plan.spec_states and logits is not None:
-        n, extra = plan.batch_size, len(plan.spec_states)
-        if logits.shape[0] == n + extra:
-            top = torch.softmax(logits[n:].float(), dim=-1).topk(2, dim=-1)
-            for (state, i), p, t in zip(plan.spec_states, top.values.tolist(), top.indices.tolist(), strict=True):
-                state.top[i] = (t[0], p[0], t[1], p[1])
-            output.next_token_logits = logits[:n]
-            hs = getattr(output, "hidden_states", None)
-            if isinstance(hs, torch.Tensor) and hs.shape[0] == n + extra:
-                output.hidden_states = hs[:n]
-    step.events.phase("attention", step.attention_s)
-    step.events.step("sparse" if plan is not None else "dense", time.perf_counter() - step.started)
 
 
 class DualDecoderAttnBackend(AttentionBackend):
@@ -197,7 +146,7 @@ class DualDecoderAttnBackend(AttentionBackend):
             dense_rows = torch.tensor(rows, dtype=torch.int64, device=forward_batch.seq_lens.device)
             if self._sub_batch_ok:
                 dense_batch = self._sub_batch(forward_batch, dense_rows)
-        forward_batch.dd_step = _DecodeStep(plan, dense_rows, dense_batch, self.events, started)
+        forward_batch.dd_step = DecodeStep(plan, dense_rows, dense_batch, self.events, started)
 
     def _release_ring_when_no_sparse_request(self) -> None:
         """A prefill with no request decoding sparsely: give the layer ring back (it is sized to
@@ -282,7 +231,7 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.events.sparse_rows(plan.num_rows)
         return out.view(-1, hq * dv)
 
-    def _dense_rows(self, step: _DecodeStep, q3, k3, v3, out, layer, fb, **kwargs) -> None:
+    def _dense_rows(self, step: DecodeStep, q3, k3, v3, out, layer, fb, **kwargs) -> None:
         t0 = time.perf_counter()
         hq = q3.shape[1]
         bs = step.plan.batch_size

@@ -1,6 +1,6 @@
 """Prometheus receiver of the ``dualdecoder`` attention backend's events.
 
-Implements the methods of :class:`dd_sglang.attention.backend.BackendEvents`
+Implements the methods of :class:`dd_sglang.attention.step.BackendEvents`
 (and of :class:`dd_sglang.prefetch.runner.PrefetchEvents`, which it extends)
 (by name; no import of the attention layer) with the metrics of
 :mod:`dd_sglang.metrics.definitions`. Lives in the scheduler process, where
