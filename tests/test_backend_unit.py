@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dd_sglang.attention.backend import BackendEvents, DualDecoderAttnBackend, finish_step
@@ -207,8 +208,9 @@ def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query(
                                        atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier():
-    h = Harness(top_k=24, selector="spec_host_exact")
+@pytest.mark.parametrize("select", ["inline", "worker"])  # after the last layer, all at once / per layer
+def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select):
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, select=select), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen
     fb, qs_prev, _ = h.step()  # cold: selects from the current query, queues next step's sets
