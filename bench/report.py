@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", default=None, help="folder for the PNGs (default: beside each JSON)")
     args = ap.parse_args(argv)
     fid, pred = Path(args.fidelity), Path(args.prediction)
+    if args.plots:
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
     if fid.exists():
         res = json.loads(fid.read_text())
         print("### Fidelity (bench.fidelity)\n")
