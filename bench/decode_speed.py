@@ -27,6 +27,8 @@ sparse attention calls) and ``rest`` (the rest of the model: projections,
 MLP, norms, logits, and SGLang's per-step work inside the forward). Work off
 the forward thread is reported beside it: ``select_ahead`` (next-step
 selection on the select worker) and ``copy`` (the copy worker's gathers).
+With ``prefetch.select: inline`` (a CPU's default) ``select_ahead`` runs on the
+forward thread and is part of ``rest``.
 With ``--select-worker`` a third server runs the same preset with
 ``prefetch.select: worker`` (the next step's selection on the select worker
 thread instead of inline on the forward thread, a CPU's default) and each
