@@ -53,6 +53,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.client import write_result
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, scrape, start_server
 
@@ -141,46 +142,39 @@ def main(argv: list[str] | None = None) -> int:
             cells.append({"context": c, "batch": b, "prompts": prompts})
     tmp = Path(tempfile.mkdtemp(prefix="dd_speed_"))
     results = {f"{c['context']}x{c['batch']}": {"context": c["context"], "batch": c["batch"]} for c in cells}
-    servers = {"torch_native": ["--attention-backend", "torch_native"], "dualdecoder": ["--attention-backend", "dualdecoder"]}
+    preset_worker = tmp / "select_worker.yaml"
+    # Per server: its flags and its runs per cell (result key, custom_params, step kind timed or None).
+    servers = {
+        "torch_native": (["--attention-backend", "torch_native"], [("sglang_dense", None, None)]),
+        "dualdecoder": (["--attention-backend", "dualdecoder"],
+                        [("dualdecoder_dense", {"dd_sparse": False}, "dense"), ("dualdecoder_sparse", {}, "sparse")]),
+    }  # fmt: skip
     if args.select_worker:
         preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
         preset.setdefault("prefetch", {})["select"] = "worker"
-        (tmp / "select_worker.yaml").write_text(yaml.safe_dump(preset))
-        servers["select_worker"] = ["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "select_worker.yaml")]
-    for backend, flags in servers.items():
+        preset_worker.write_text(yaml.safe_dump(preset))
+        servers["select_worker"] = (["--attention-backend", "dualdecoder", "--dd-config", str(preset_worker)],
+                                    [("dualdecoder_sparse_select_worker", {}, "sparse")])  # fmt: skip
+    for backend, (flags, runs) in servers.items():
         srv = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900)
         try:
             for c in cells:
                 res = results[f"{c['context']}x{c['batch']}"]
-                if backend == "torch_native":
-                    res["sglang_dense"] = run_batch(srv.url, c["prompts"], args.new_tokens, None)
-                    continue
-                if backend == "select_worker":
-                    before = scrape(srv.metrics_url)
-                    r = run_batch(srv.url, c["prompts"], args.new_tokens, {})
-                    time.sleep(0.5)
-                    r["breakdown"] = breakdown(before, scrape(srv.metrics_url), "sparse")
-                    res["dualdecoder_sparse_select_worker"] = r
-                    res["select_worker_over_sglang_dense"] = (
-                        r["decode_tokens_per_second"] / res["sglang_dense"]["decode_tokens_per_second"]
-                    )
-                    continue
-                for name, custom, kind in (("dense", {"dd_sparse": False}, "dense"), ("sparse", {}, "sparse")):
-                    before = scrape(srv.metrics_url)
+                for key, custom, kind in runs:
+                    before = scrape(srv.metrics_url) if kind else None
                     r = run_batch(srv.url, c["prompts"], args.new_tokens, custom)
-                    time.sleep(0.5)
-                    r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
-                    res[f"dualdecoder_{name}"] = r
-                res["sparse_over_sglang_dense"] = (
-                    res["dualdecoder_sparse"]["decode_tokens_per_second"]
-                    / res["sglang_dense"]["decode_tokens_per_second"]
-                )
-                res["sparse_over_dense_same_server"] = (
-                    res["dualdecoder_sparse"]["decode_tokens_per_second"]
-                    / res["dualdecoder_dense"]["decode_tokens_per_second"]
-                )
+                    if kind:
+                        time.sleep(0.5)
+                        r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
+                    res[key] = r
         finally:
             srv.stop()
+    tps = "decode_tokens_per_second"
+    for res in results.values():
+        res["sparse_over_sglang_dense"] = res["dualdecoder_sparse"][tps] / res["sglang_dense"][tps]
+        res["sparse_over_dense_same_server"] = res["dualdecoder_sparse"][tps] / res["dualdecoder_dense"][tps]
+        if "dualdecoder_sparse_select_worker" in res:
+            res["select_worker_over_sglang_dense"] = res["dualdecoder_sparse_select_worker"][tps] / res["sglang_dense"][tps]
     result = {
         "benchmark": "decode step time by phase, dense vs sparse default (CPU)",
         "command": "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -189,14 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "cells": list(results.values()),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, args.out)
     for r in results.values():
         print(f"{r['context']} x {r['batch']}: sparse/sglang-dense {r['sparse_over_sglang_dense']:.2f}x, "
               f"sparse/dense same server {r['sparse_over_dense_same_server']:.2f}x, passkeys "
               f"{r['dualdecoder_sparse']['found']}/{r['batch']} sparse, {r['sglang_dense']['found']}/{r['batch']} dense")  # fmt: skip
-    print(f"-> {out}")
     return 0
 
 

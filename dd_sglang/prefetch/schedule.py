@@ -146,11 +146,11 @@ class TransferSchedule:
         self._inline_jobs: dict[int, Callable[[], None]] = {}
         self.depth = ring.depth
         self.on_step = on_step
+        self._cuda = ring.device.type == "cuda"
         self._copy = _Worker("dd-copy")
         # On a CPU the select worker shares the forward pass's cores: one intra-op thread, so its
         # ops do not also fan out over the cores the forward is using.
-        self._select = _Worker("dd-select", threads=None if ring.device.type == "cuda" else 1)
-        self._cuda = ring.device.type == "cuda"
+        self._select = _Worker("dd-select", threads=None if self._cuda else 1)
         self._stream = torch.cuda.Stream(device=ring.device) if self._cuda else None
         self._gather: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self._layers: list[int] = []
