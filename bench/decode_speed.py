@@ -3,20 +3,27 @@
 Usage::
 
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
-                                 [--batches 1,8] [--new-tokens 32] [--select-worker]
+                                 [--batches 1,8] [--new-tokens 48] [--rounds 3] [--select-worker]
 
-One run, two servers with room for every request densely (``--max-total-tokens``
-``--pool-tokens``): SGLang's own dense path (``torch_native``) and
-``dualdecoder`` with the default preset. On the ``dualdecoder`` server each
-cell runs twice, side by side: ``dd_sparse: false`` (the same dense path through
-the ``dualdecoder`` wrapper, so its phases are timed) and the sparse default
-(``spec_host`` + ``dual_token``, ``top_k`` 256). A cell is ``batch`` distinct
-passkey prompts of ~``context`` tokens sent at once, greedy, ``--new-tokens``
-each (``ignore_eos``).
+One run, two servers up at once with room for every request densely
+(``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
+(``torch_native``) and ``dualdecoder`` with the default preset. On the
+``dualdecoder`` server each cell runs twice: ``dd_sparse: false`` (the same
+dense path through the ``dualdecoder`` wrapper, so its phases are timed) and
+the sparse default (``spec_host`` + ``dual_token``, ``top_k`` 256). A cell is
+``batch`` distinct passkey prompts of ~``context`` tokens sent at once, greedy,
+``--new-tokens`` each (``ignore_eos``).
 
-Per cell and configuration: passkeys found; decode tokens/s (streamed tokens
-after each request's first, over the time from the first first-token to the
-last token); and, from the server's counters over the cell (``dd_decode_steps_total``,
+Side by side: every configuration of a cell runs once per round, ``--rounds``
+rounds, the configurations' order rotating from round to round, so a slow
+stretch of a shared machine falls on every configuration alike (an idle server
+sleeps: ``sleep-on-idle``). Reported per configuration: the median over rounds;
+per ratio: the median of the per-round ratios and its range.
+
+Per cell and configuration: passkeys found (every round); decode tokens/s
+(streamed tokens while every request of the cell was decoding: from the last
+request's first token to the first request's last token; prefill, cached or
+not, is outside that window); and, from the server's counters over the run (``dd_decode_steps_total``,
 ``dd_decode_step_seconds_total``, ``dd_step_phase_seconds_total``,
 ``dd_transfer_*``), the mean decode step split into ``plan`` (building the
 step plan), ``select`` (choosing critical sets on the forward thread: cold
@@ -44,6 +51,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -60,7 +68,7 @@ from bench.server import ROOT, scrape, start_server
 PHASES = ("plan", "select", "assemble", "attention")
 
 
-def run_batch(url: str, prompts: list[tuple[str, int], ], new_tokens: int, custom: dict | None) -> dict:
+def run_batch(url: str, prompts: list[tuple[str, int]], new_tokens: int, custom: dict | None) -> dict:
     """Send every prompt at once (streamed, greedy); passkeys found and decode tokens/s."""
     results: list[dict] = [{} for _ in prompts]
 
@@ -82,13 +90,13 @@ def run_batch(url: str, prompts: list[tuple[str, int], ], new_tokens: int, custo
         t.start()
     for t in threads:
         t.join()
-    first = min(r["times"][0] for r in results)
-    last = max(r["times"][-1] for r in results)
-    decoded = sum(len(r["times"]) - 1 for r in results)
+    start = max(r["times"][0] for r in results)  # every request has its first token: all decode
+    end = min(r["times"][-1] for r in results)  # until the first one finishes
+    decoded = sum(sum(start < t <= end for t in r["times"]) for r in results)
     return {
         "found": sum(r["found"] for r in results),
         "total": len(results),
-        "decode_tokens_per_second": decoded / (last - first),
+        "decode_tokens_per_second": decoded / (end - start) if end > start else float("nan"),
         "answers": [r["answer"] for r in results],
     }
 
@@ -114,13 +122,44 @@ def breakdown(before: dict, after: dict, kind: str) -> dict:
     return out
 
 
+TPS = "decode_tokens_per_second"
+#: (result key, numerator run, denominator run): ratios of decode tokens/s, per round.
+RATIOS = (
+    ("sparse_over_sglang_dense", "dualdecoder_sparse", "sglang_dense"),
+    ("sparse_over_dense_same_server", "dualdecoder_sparse", "dualdecoder_dense"),
+    ("select_worker_over_sglang_dense", "dualdecoder_sparse_select_worker", "sglang_dense"),
+)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One configuration of a cell over its rounds: passkeys found in every round, the median
+    decode tokens/s and the per-phase median step breakdown (seconds), each round's tokens/s."""
+    out = {
+        "found": sum(r["found"] for r in runs),
+        "total": sum(r["total"] for r in runs),
+        TPS: statistics.median(r[TPS] for r in runs),
+        "rounds": [r[TPS] for r in runs],
+        "answers": runs[-1]["answers"],
+    }
+    if "breakdown" in runs[0]:
+        out["breakdown"] = {
+            p: statistics.median(r["breakdown"].get(p, 0.0) for r in runs) for p in runs[0]["breakdown"]
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.decode_speed", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/decode_speed_cpu.json")
     ap.add_argument("--contexts", default="4000,7900")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians reported)")
+    ap.add_argument("--cells", default=None,
+                    help="CONTEXTxBATCH,... instead of every --contexts x --batches pair, e.g. 4000x1,7900x1,4000x8")  # fmt: skip
+    ap.add_argument(
+        "--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely"
+    )
     ap.add_argument("--select-worker", action="store_true",
                     help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
     args = ap.parse_args(argv)
@@ -131,15 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
+    pairs = [(c, b) for b in batches for c in contexts]
+    if args.cells:
+        try:
+            pairs = [(int(c), int(b)) for c, b in (x.split("x") for x in args.cells.split(","))]
+        except ValueError:
+            ap.error(f"--cells must look like 4000x1,7900x1,4000x8, got {args.cells!r}")
     cells = []
-    for b in batches:
-        for c in contexts:
-            prompts = []
-            for i in range(b):
-                key = 10000 + (7919 * (i + 1) + c) % 90000
-                p, _ = passkey_prompt(tok, c + 200, (i + 0.5) / b, key, header=f"Speed {c} {b} {i}. ")
-                prompts.append((p, key))
-            cells.append({"context": c, "batch": b, "prompts": prompts})
+    for c, b in pairs:
+        prompts = []
+        for i in range(b):
+            key = 10000 + (7919 * (i + 1) + c) % 90000
+            p, _ = passkey_prompt(tok, c + 200, (i + 0.5) / b, key, header=f"Speed {c} {b} {i}. ")
+            prompts.append((p, key))
+        cells.append({"context": c, "batch": b, "prompts": prompts})
     tmp = Path(tempfile.mkdtemp(prefix="dd_speed_"))
     results = {f"{c['context']}x{c['batch']}": {"context": c["context"], "batch": c["batch"]} for c in cells}
     preset_worker = tmp / "select_worker.yaml"
@@ -155,28 +199,41 @@ def main(argv: list[str] | None = None) -> int:
         preset_worker.write_text(yaml.safe_dump(preset))
         servers["select_worker"] = (["--attention-backend", "dualdecoder", "--dd-config", str(preset_worker)],
                                     [("dualdecoder_sparse_select_worker", {}, "sparse")])  # fmt: skip
-    for backend, (flags, runs) in servers.items():
-        srv = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900)
-        try:
+    started: dict[str, object] = {}
+    try:
+        for backend, (flags, _) in servers.items():
+            started[backend] = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900)
+        order = [(backend, run) for backend, (_, runs) in servers.items() for run in runs]
+        rounds: dict[str, dict[str, list[dict]]] = {k: {} for k in results}
+        for i in range(args.rounds):
             for c in cells:
-                res = results[f"{c['context']}x{c['batch']}"]
-                for key, custom, kind in runs:
+                cell = f"{c['context']}x{c['batch']}"
+                for backend, (key, custom, kind) in order[i % len(order) :] + order[: i % len(order)]:
+                    srv = started[backend]
                     before = scrape(srv.metrics_url) if kind else None
                     r = run_batch(srv.url, c["prompts"], args.new_tokens, custom)
                     if kind:
                         time.sleep(0.5)
                         r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
-                    res[key] = r
-        finally:
+                    rounds[cell].setdefault(key, []).append(r)
+                    print(
+                        f"round {i + 1} {cell} {key}: {r['decode_tokens_per_second']:.2f} tok/s", flush=True
+                    )
+    finally:
+        for srv in started.values():
             srv.stop()
-    tps = "decode_tokens_per_second"
-    for res in results.values():
-        res["sparse_over_sglang_dense"] = res["dualdecoder_sparse"][tps] / res["sglang_dense"][tps]
-        res["sparse_over_dense_same_server"] = res["dualdecoder_sparse"][tps] / res["dualdecoder_dense"][tps]
-        if "dualdecoder_sparse_select_worker" in res:
-            res["select_worker_over_sglang_dense"] = res["dualdecoder_sparse_select_worker"][tps] / res["sglang_dense"][tps]
+    srv = started["dualdecoder"]
+    for cell, by_key in rounds.items():
+        for key, runs in by_key.items():
+            results[cell][key] = summarize(runs)
+        for name, num, den in RATIOS:
+            if num in by_key and den in by_key:
+                per = [a[TPS] / b[TPS] for a, b in zip(by_key[num], by_key[den], strict=True)]
+                results[cell][name] = statistics.median(per)
+                results[cell][name + "_range"] = [min(per), max(per)]
     result = {
         "benchmark": "decode step time by phase, dense vs sparse default (CPU)",
+        "rounds": args.rounds,
         "command": "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "dtype": srv.dtype,
@@ -185,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(result, args.out)
     for r in results.values():
+        sp, dn = r["dualdecoder_sparse"], r["sglang_dense"]
         print(f"{r['context']} x {r['batch']}: sparse/sglang-dense {r['sparse_over_sglang_dense']:.2f}x, "
               f"sparse/dense same server {r['sparse_over_dense_same_server']:.2f}x, passkeys "
-              f"{r['dualdecoder_sparse']['found']}/{r['batch']} sparse, {r['sglang_dense']['found']}/{r['batch']} dense")  # fmt: skip
+              f"{sp['found']}/{sp['total']} sparse, {dn['found']}/{dn['total']} dense (all rounds)")  # fmt: skip
     return 0
 
 

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from dd_sglang.prefetch.index import BLOCK_TOKENS, KeyBlockIndex, QuantKeyIndex, row_blocks
+from dd_sglang.prefetch.index import (
+    BLOCK_TOKENS,
+    KeyBlockIndex,
+    QuantKeyIndex,
+    all_blocks,
+    block_tokens,
+    row_blocks,
+)
 from dd_sglang.prefetch.selectors import SELECTORS, gqa_token_scores, make_selector
 
 HQ, HKV, D, LAYERS = 9, 3, 16, 2
@@ -137,6 +144,33 @@ def test_spec_host_rerank_covering_every_candidate_is_exact_and_reads_fewer_keys
     assert all(len(set(pos[0, h].tolist())) == k for h in range(HKV))
     # int8 scores rank like the exact ones: rerank 2 finds the exact top-k (random keys, no ties)
     assert torch.equal(pos.sort(dim=-1).values, exact.sort(dim=-1).values)
+
+
+def test_spec_host_on_a_bf16_tier_scores_in_bf16_and_keeps_the_exact_top_k():
+    """A bf16 tier: the int8 product runs in bf16 (int8 values are exact there; only the output is
+    rounded), its logits match the float32 product to bf16's precision, and rerank 2 still finds
+    the exact top-k."""
+    lens, his, k = [1200], [1100], 16
+    host_k, slots, rows, _ = _rows(lens, his, seed=2)
+    host_k = host_k.bfloat16()
+    idx = QuantKeyIndex(host_k)
+    idx.update(slots[0], 0, 1200)
+    assert idx.compute_dtype is torch.bfloat16
+    assert QuantKeyIndex(host_k.float()).compute_dtype is torch.float32
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3))
+    pos, sl, ok = block_tokens(rows, all_blocks(rows, HKV))
+    got = idx.logits(q, 0, sl, ok, SCALE)
+    keys = (idx.q8[0].float() * idx.scale[0].unsqueeze(-1))[
+        sl, torch.arange(HKV).view(1, HKV, 1)
+    ]  # [1, Hkv, n, D]
+    want = torch.einsum("rhgd,rhnd->rhgn", q.bfloat16().float().view(1, HKV, HQ // HKV, D), keys) * SCALE
+    want = want.masked_fill(~ok[:, :, None, :], float("-inf"))
+    assert got.dtype is torch.float32 and torch.equal(got.isinf(), want.isinf())
+    fin = ~got.isinf()
+    torch.testing.assert_close(got[fin], want[fin], rtol=2**-7, atol=2**-7 * want[fin].abs().max().item())
+    exact = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
+    top = make_selector("spec_host", rerank=2).select(q, rows, host_k[0], k, SCALE, idx, 0)[0]
+    assert torch.equal(top.sort(dim=-1).values, exact.sort(dim=-1).values)
 
 
 def test_spec_host_finds_tokens_aligned_with_the_query():

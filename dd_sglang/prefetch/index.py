@@ -133,6 +133,10 @@ class QuantKeyIndex:
         self.device = torch.device(device)
         self.q8 = torch.zeros((n_layers, slots, hkv, d), dtype=torch.int8, device=self.device)
         self.scale = torch.zeros((n_layers, slots, hkv), dtype=torch.float32, device=self.device)
+        #: dtype of the approximate product: the tier's own 16-bit dtype where it has one (int8
+        #: values are exact in bf16 / fp16 and the matmul accumulates in float32; only its output
+        #: is rounded), else float32.
+        self.compute_dtype = host_k.dtype if host_k.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
     @property
     def nbytes(self) -> int:
@@ -162,15 +166,18 @@ class QuantKeyIndex:
             slots, ok: ``[rows, num_kv_heads, n]`` host slots and which are candidates.
 
         Returns:
-            ``[rows, num_kv_heads, group, n]`` float32, ``-inf`` where not ``ok``.
+            ``[rows, num_kv_heads, group, n]`` float32, ``-inf`` where not ``ok``. The product
+            ``q . q8`` runs in :attr:`compute_dtype` (bf16 for a bf16 tier: its output carries
+            bf16's 8-bit mantissa, enough to choose the candidates the exact keys re-rank).
         """
         r, hkv, n = slots.shape
         hq, d = q.shape[1], q.shape[2]
         flat = (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten().to(self.device)
         keys = self.q8[layer].reshape(-1, d).index_select(0, flat).view(r, hkv, n, d)
         s = self.scale[layer].reshape(-1).index_select(0, flat).view(r, hkv, 1, n)
-        qg = q.to(self.device).float().view(r, hkv, hq // hkv, d)
-        out = torch.einsum("rhgd,rhnd->rhgn", qg, keys.float()).mul_(s).mul_(scale).cpu()
+        dt = self.compute_dtype
+        qg = q.to(self.device, dt).view(r, hkv, hq // hkv, d)
+        out = torch.matmul(qg, keys.to(dt).transpose(2, 3)).float().mul_(s).mul_(scale).cpu()
         return out.masked_fill_(~ok[:, :, None, :], float("-inf"))
 
 

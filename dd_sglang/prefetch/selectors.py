@@ -188,7 +188,7 @@ class SpecHostSelector(Selector):
             return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
         approx = index.logits(q, layer, slots, ok, scale)  # [R, Hkv, group, n]
         z = torch.logsumexp(approx, dim=-1, keepdim=True)
-        best = (approx - z).amax(dim=2).topk(m, dim=-1).indices
+        best = (approx - z).amax(dim=2).topk(m, dim=-1, sorted=False).indices  # re-ranked below: any order
         pos, slots, ok = pos.gather(-1, best), slots.gather(-1, best), ok.gather(-1, best)
         exact = token_logits(q, host_k, slots, ok, scale)
         return pos, slots, (exact - z).amax(dim=2)
