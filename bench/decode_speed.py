@@ -66,6 +66,7 @@ from bench.prompts import passkey_prompt
 from bench.server import ROOT, scrape, start_server
 
 PHASES = ("plan", "select", "assemble", "attention")
+TPS = "decode_tokens_per_second"
 
 
 def run_batch(url: str, prompts: list[tuple[str, int]], new_tokens: int, custom: dict | None) -> dict:
@@ -92,11 +93,14 @@ def run_batch(url: str, prompts: list[tuple[str, int]], new_tokens: int, custom:
         t.join()
     start = max(r["times"][0] for r in results)  # every request has its first token: all decode
     end = min(r["times"][-1] for r in results)  # until the first one finishes
+    if end <= start:
+        raise RuntimeError(f"a request finished before the last one's first token: no window where all "
+                           f"{len(prompts)} decode; raise --new-tokens (now {new_tokens})")  # fmt: skip
     decoded = sum(sum(start < t <= end for t in r["times"]) for r in results)
     return {
         "found": sum(r["found"] for r in results),
         "total": len(results),
-        "decode_tokens_per_second": decoded / (end - start) if end > start else float("nan"),
+        TPS: decoded / (end - start),
         "answers": [r["answer"] for r in results],
     }
 
@@ -122,7 +126,6 @@ def breakdown(before: dict, after: dict, kind: str) -> dict:
     return out
 
 
-TPS = "decode_tokens_per_second"
 #: (result key, numerator run, denominator run): ratios of decode tokens/s, per round.
 RATIOS = (
     ("sparse_over_sglang_dense", "dualdecoder_sparse", "sglang_dense"),
@@ -157,12 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians reported)")
     ap.add_argument("--cells", default=None,
                     help="CONTEXTxBATCH,... instead of every --contexts x --batches pair, e.g. 4000x1,7900x1,4000x8")  # fmt: skip
-    ap.add_argument(
-        "--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely"
-    )
+    ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
     ap.add_argument("--select-worker", action="store_true",
                     help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.new_tokens < 2:
+        ap.error(f"--new-tokens must be >= 2 (decode tokens after the first), got {args.new_tokens}")
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model
@@ -176,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             pairs = [(int(c), int(b)) for c, b in (x.split("x") for x in args.cells.split(","))]
         except ValueError:
             ap.error(f"--cells must look like 4000x1,7900x1,4000x8, got {args.cells!r}")
+    if any(c < 1 or b < 1 for c, b in pairs):
+        ap.error(f"--cells / --contexts / --batches: contexts and batches must be >= 1, got {pairs}")
     cells = []
     for c, b in pairs:
         prompts = []
@@ -216,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                         time.sleep(0.5)
                         r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
                     rounds[cell].setdefault(key, []).append(r)
-                    print(
-                        f"round {i + 1} {cell} {key}: {r['decode_tokens_per_second']:.2f} tok/s", flush=True
-                    )
+                    print(f"round {i + 1} {cell} {key}: {r[TPS]:.2f} tok/s", flush=True)
     finally:
         for srv in started.values():
             srv.stop()
