@@ -151,41 +151,79 @@ class Harness:
         return fb, qs, outs
 
 
-def test_top_k_covering_the_context_attends_to_every_token_with_the_speculated_position_beside():
-    h = Harness(top_k=1000, selector="spec_host")
-    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)  # prompt lookup always proposes a token
+def _sglang_dense_decode(q, k_ctx, v_ctx):
+    """SGLang's own ``torch_native`` decode of one request over its context (``[n, HKV, D]``, position
+    order), through ``TorchNativeAttnBackend._run_sdpa_forward_decode``: ``[HQ, D]``."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    n = k_ctx.shape[0]
+    out = torch.empty(1, HQ, D, dtype=q.dtype)
+    TorchNativeAttnBackend._run_sdpa_forward_decode(
+        None, q.unsqueeze(0), out, k_ctx, v_ctx, torch.arange(n).view(1, n), torch.tensor([0]),
+        torch.tensor([n]), scaling=SCALE, enable_gqa=True,
+    )  # fmt: skip
+    return out[0]
+
+
+@pytest.mark.parametrize("selector", ["spec_host", "oracle"])
+def test_top_k_covering_the_context_is_sglang_dense_decode_bit_for_bit_and_no_token_rides(selector):
+    """A row whose critical set is its whole context needs no prediction: no token rides (the batch has
+    dense's shape), and every layer's output equals SGLang's own dense decode of the same context to
+    the bit, although the context comes from the host tier and the resident set."""
+    h = Harness(top_k=1000, selector=selector)
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)  # prompt lookup would propose a token
     for _ in range(3):
         fb, qs, outs = h.step()
-        assert fb.input_ids.numel() == 2  # the speculated token rode as a second position
+        assert fb.input_ids.numel() == 1
         n = h.req.kv.kv_committed_len  # positions 0..n-1 have K/V now
         for i in range(LAYERS):
-            q, k, v = qs[i]
-            want = _attend(q[0], h.k_all[i][:n], h.v_all[i][:n])
-            torch.testing.assert_close(outs[i][0].double(), want, atol=1e-4, rtol=1e-4)
-            # The speculated position reads the same context plus its own K/V.
-            ks, vs = torch.cat([h.k_all[i][:n], k[1:2]]), torch.cat([h.v_all[i][:n], v[1:2]])
-            torch.testing.assert_close(outs[i][1].double(), _attend(q[1], ks, vs), atol=1e-4, rtol=1e-4)
+            q = qs[i][0][0]
+            assert torch.equal(outs[i][0], _sglang_dense_decode(q, h.k_all[i][:n], h.v_all[i][:n]))
     assert h.events.steps == ["sparse"] * 3 and h.events.rows == 3 * LAYERS
     assert h.events.cold_n == 0  # every candidate fits: no selection at all
+    assert h.backend.runner.store.get("r1").spec.proposed == 0
 
 
-def test_two_riding_tokens_each_read_the_context_and_their_own_kv():
-    """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, branches=2, confident=0.99), top_k=1000, selector="spec_host")
+def test_the_speculated_position_reads_the_rows_set_and_its_own_kv():
+    """Below full coverage a token rides; its query reads the row's resident and critical set (chosen a
+    step ahead by the previous speculated query) plus its own K/V column."""
+    h = Harness(top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
-    h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded (random logits: unsure)
+    cand_prev = h.st.host_candidates()
+    _, qs_prev, _ = h.step()
+    resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
+    fb, qs, outs = h.step()
+    assert fb.input_ids.numel() == 2
+    n = h.req.kv.kv_committed_len
+    for i in range(LAYERS):
+        q, k, v = qs[i]
+        sets = [s | resident for s in _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)]
+        ks, vs = torch.cat([h.k_all[i][:n], k[1:2]]), torch.cat([h.v_all[i][:n], v[1:2]])
+        own = [s | {n} for s in sets]
+        torch.testing.assert_close(outs[i][1].double(), _attend_sets(q[1], ks, vs, own), atol=1e-4, rtol=1e-4)
+
+
+def test_two_riding_tokens_each_read_the_rows_set_and_their_own_kv():
+    """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, branches=2, confident=0.99), top_k=24,
+                selector="spec_host_exact")  # fmt: skip
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    cand_prev = h.st.host_candidates()
+    _, qs_prev, _ = h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded
     state = h.backend.runner.store.get("r1").spec
     t1, p1, t2, _ = state.top[0]
     assert p1 < 0.99
+    resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
     fb, qs, outs = h.step()  # the pattern's token was the one that rode: accepted, its top-2 ride now
     assert state.branch == 0 and state.riding == (t1, t2)
     assert fb.input_ids.tolist()[1:] == [t1, t2]
     n = h.req.kv.kv_committed_len
     for i in range(LAYERS):
         q, k, v = qs[i]
+        sets = [s | resident | {n} for s in _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)]
         for j in (1, 2):
             ks, vs = torch.cat([h.k_all[i][:n], k[j : j + 1]]), torch.cat([h.v_all[i][:n], v[j : j + 1]])
-            torch.testing.assert_close(outs[i][j].double(), _attend(q[j], ks, vs), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[i][j].double(), _attend_sets(q[j], ks, vs, sets), atol=1e-4, rtol=1e-4)
 
 
 def _topk_sets(q, k_all, cand, k):
@@ -253,7 +291,7 @@ def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_specul
 
 
 def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
-    h = Harness(top_k=1000, selector="spec_host")
+    h = Harness(top_k=24, selector="spec_host")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     fb = SimpleNamespace(
         forward_mode=_decode_mode(), batch_size=1, input_ids=torch.tensor([5]), positions=torch.tensor([PROMPT]),

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention, unfold_gqa
+from dd_sglang.kernels.sparse_decode import (
+    dense_decode_attention,
+    fold_gqa,
+    sparse_decode_attention,
+    unfold_gqa,
+)
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2's head layout
 G = HQ // HKV
@@ -72,3 +77,40 @@ def test_bad_shapes_are_refused_with_the_shapes_named():
     with pytest.raises(ValueError, match="multiple"):
         fold_gqa(torch.zeros(1, 2, 8, D), 3)
     assert sparse_decode_attention(q[:0], k[:0], k[:0], None, 1.0).shape == (0, HKV, 6, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_ctx", [1100, 3001, 7900])
+def test_dense_decode_attention_is_sglangs_torch_native_decode_bit_for_bit(dtype, n_ctx):
+    """A context gathered out of order (a shuffled pool, as the host tier and resident set hold it) and
+    put back in position order gives, through ``dense_decode_attention``, SGLang's own torch_native
+    decode output for the same request to the bit (``_run_sdpa_forward_decode`` over a pool)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    g = torch.Generator().manual_seed(n_ctx)
+    slots = torch.randperm(n_ctx + 50, generator=g)[:n_ctx]  # the request's pool slot per position
+    k_pool = (torch.randn(n_ctx + 50, HKV, D, generator=g) * 2).to(dtype)
+    v_pool = torch.randn(n_ctx + 50, HKV, D, generator=g).to(dtype)
+    q = torch.randn(3, HQ, D, generator=g).to(dtype)  # a batch of 3; the request is row 1
+    r2t = torch.zeros(2, n_ctx + 10, dtype=torch.int64)
+    r2t[1, :n_ctx] = slots
+    out = torch.empty(3, HQ, D, dtype=dtype)
+    TorchNativeAttnBackend._run_sdpa_forward_decode(
+        None, q[1:2], out[1:2], k_pool, v_pool, r2t, torch.tensor([1]), torch.tensor([n_ctx]),
+        scaling=D**-0.5, enable_gqa=True,
+    )  # fmt: skip
+    held = torch.randperm(n_ctx, generator=g)  # positions in the order some buffer holds them
+    k_held, v_held = k_pool[slots[held]], v_pool[slots[held]]
+    order = held.argsort()
+    got = dense_decode_attention(q[1], k_held[order].contiguous(), v_held[order].contiguous(), D**-0.5)
+    assert got.dtype == dtype and torch.equal(got, out[1])
+
+
+def test_dense_decode_attention_refuses_shapes_that_do_not_match():
+    k = torch.zeros(10, HKV, D)
+    with pytest.raises(ValueError, match="must be"):
+        dense_decode_attention(torch.zeros(1, HQ, D), k, k, 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        dense_decode_attention(torch.zeros(HQ, D + 1), k, k, 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        dense_decode_attention(torch.zeros(HQ + 1, D), k, k, 1.0)

@@ -20,7 +20,8 @@
     hand the layer back (next-step selection is queued there).
 
 With ``top_k`` at least the context, a sparse row attends to its whole context
-and its greedy tokens equal the dense path's.
+(gathered from the host tier like any critical set) through dense's own attention
+call, and its greedy tokens equal the dense path's.
 
 Mixed batches: every real row's new K/V is written to the device pool once;
 with the ``torch_native`` delegate the dense rows run as a sub-batch, with any
@@ -45,7 +46,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from dd_sglang.attention.step import BackendEvents, DecodeStep, finish_step
 from dd_sglang.kernels.dispatch import SparseAttention
-from dd_sglang.kernels.sparse_decode import unfold_gqa
+from dd_sglang.kernels.sparse_decode import dense_decode_attention, unfold_gqa
 from dd_sglang.kvcache.dualpath import PathState
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
@@ -223,10 +224,12 @@ class DualDecoderAttnBackend(AttentionBackend):
         t1 = time.perf_counter()
         o = unfold_gqa(self.attention.run(qf, keys, values, layer.scaling), plan.positions)
         o = o.to(out.dtype)
-        step.attention_s += time.perf_counter() - t1
         out[plan.rows.to(out.device)] = o[:, 0]
         if plan.spec_rows.numel():
             out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
+        for b, kb, vb in runner.exact_contexts(plan, keys, values):  # set = whole context: dense's own call
+            out[b] = dense_decode_attention(q3[b], kb, vb, layer.scaling).to(out.dtype)
+        step.attention_s += time.perf_counter() - t1
         runner.layer_done(plan, hl, q3, layer.scaling)
         self.events.sparse_rows(plan.num_rows)
         return out.view(-1, hq * dv)

@@ -94,3 +94,42 @@ def sparse_decode_attention(
     return scaled_dot_product_attention(
         q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
     )
+
+
+def dense_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's decode attention over its whole context, called exactly as SGLang's dense decode calls it.
+
+    SGLang's ``torch_native`` decode (``TorchNativeAttnBackend._run_sdpa_forward_decode``) runs one
+    ``scaled_dot_product_attention`` per request: the query ``[1, Hq, 1, D]``, the context's K/V
+    ``[1, Hkv, n, D]`` in position order (views of the pool's ``[n, Hkv, D]`` rows), no mask,
+    ``enable_gqa``. Fused CPU kernels pick their blocking from the shapes, and in bfloat16 a
+    different blocking, column order, padding or mask changes outputs in their last bit (enough to
+    flip a greedy token some tens of tokens later). A sparse row whose critical set is its whole
+    context is therefore attended here, with the same shapes, layout and call, so that its output is
+    the dense server's bit for bit on any CPU (``tests/test_sparse_decode.py``).
+
+    Args:
+        q: ``shape: [Hq, D]``, the request's query (any strides).
+        keys: ``shape: [n, Hkv, D]``, the context's keys in position order (as ``k_cache[tokens]``).
+        values: ``shape: [n, Hkv, Dv]``, same order.
+        scale: softmax scale.
+
+    Returns:
+        ``shape: [Hq, Dv]``, ``q.dtype``.
+
+    Raises:
+        ValueError: the shapes disagree, or ``Hq`` is not a multiple of ``Hkv``.
+    """
+    if q.dim() != 2 or keys.dim() != 3 or values.dim() != 3:
+        raise ValueError(f"q must be [Hq, D] and keys/values [n, Hkv, D], got {tuple(q.shape)}, "
+                         f"{tuple(keys.shape)}, {tuple(values.shape)}")  # fmt: skip
+    if keys.shape[2] != q.shape[1] or values.shape[:2] != keys.shape[:2] or q.shape[0] % keys.shape[1]:
+        raise ValueError(
+            f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match q {tuple(q.shape)}"
+        )
+    k = keys.movedim(0, 1).unsqueeze(0).to(q.dtype)
+    v = values.movedim(0, 1).unsqueeze(0).to(q.dtype)
+    out = scaled_dot_product_attention(
+        q.unsqueeze(1).unsqueeze(0), k, v, scale=scale, enable_gqa=q.shape[0] != keys.shape[1]
+    )
+    return out[0, :, 0]

@@ -33,6 +33,12 @@ tensors. Building a plan:
    repairing a miss) and one column for the speculated token's own K/V. The
    mask ``[rows, 2, columns]`` says which columns each of the two queries (real,
    speculated) reads.
+5. **Exact rows.** A *full* row needs no prediction (its next set is again its
+   whole context), so no token rides for it and the batch has dense's shape.
+   ``exact_cols`` lists, per full row, its columns in position order; the
+   backend attends it with dense's own call
+   (:func:`dd_sglang.kernels.sparse_decode.dense_decode_attention`), so its
+   output is the dense path's bit for bit, not merely up to rounding.
 """
 
 from __future__ import annotations
@@ -160,6 +166,9 @@ class StepPlan:
         rejected: per plan row, its speculated token was rejected this step.
         labels: per plan row, ``(selector, speculator)`` names for the metrics.
         started: ``time.perf_counter()`` when planning began.
+        exact_rows: batch rows of the full rows whose columns cover positions ``[0, seq_len)``.
+        exact_cols: per exact row, ``[seq_len]`` int64 (device): its ring columns in position
+            order (module docstring, step 5).
     """
 
     rows: torch.Tensor
@@ -190,6 +199,8 @@ class StepPlan:
     rejected: tuple[bool, ...]
     labels: tuple[tuple[str, str], ...]
     started: float
+    exact_rows: tuple[int, ...] = ()
+    exact_cols: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -244,9 +255,15 @@ def _history(st, token: int) -> list[int]:
     return ids
 
 
+def _is_full(r: _Row) -> bool:
+    """The row's critical set is every candidate (``top_k`` covers them)."""
+    return r.cand.numel() <= r.st.top_k
+
+
 def _speculate(rows: list[_Row], inp: PlanInputs, on_verify) -> None:
     for r in rows:
-        if not r.selector.uses_speculator:
+        if not r.selector.uses_speculator or _is_full(r):  # a full row needs no prediction (step 5)
+            r.pred.spec.riding = ()
             continue
         ok = verify(r.pred.spec, r.token)
         if ok is not None:
@@ -306,7 +323,7 @@ def _classify(rows: list[_Row], nxt: NextSets, n_layers: int) -> list[_Row]:
     """Mark each row ahead / full / sync and order them so (module docstring, step 3)."""
     have = set(nxt.rids) if len(nxt.pos) == n_layers else set()
     for r in rows:
-        if r.cand.numel() <= r.st.top_k:
+        if _is_full(r):
             r.kind = "full"
         elif r.selector.lookahead and r.st.rid in have:
             r.kind = "ahead"
@@ -393,6 +410,8 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     own = max(positions - 1, 1)
     cols = n_res + k + budget + own
     dev = fb.input_ids.device
+    exact = [(j, _exact_cols(rows[j], n_res)) for j in range(n_ahead, n_fixed)]
+    exact = [(j, c) for j, c in exact if c is not None]
 
     def t(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=dev)
@@ -426,7 +445,21 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         rejected=tuple(r.rejected for r in rows),
         labels=tuple((r.selector.name, r.st.speculator if r.selector.uses_speculator else "none") for r in rows),
         started=started,
+        exact_rows=tuple(rows[j].batch_row for j, _ in exact),
+        exact_cols=tuple(c.to(dev) for _, c in exact),
     )
+
+
+def _exact_cols(r: _Row, n_res: int) -> torch.Tensor | None:
+    """``[seq_len]`` int64: a full row's ring columns (resident ``[0, len(dev_pos))``, critical
+    ``[n_res, n_res + len(cand))``) ordered by the position each holds; None unless together they
+    hold exactly the positions ``[0, seq_len)`` (then the row is not attended as an exact row)."""
+    pos = torch.cat([r.dev_pos.cpu().long(), r.cand.cpu().long()])
+    cols = torch.cat([torch.arange(r.dev_pos.numel()), n_res + torch.arange(r.cand.numel())])
+    srt, idx = pos.sort(stable=True)
+    if pos.numel() != r.position + 1 or not torch.equal(srt, torch.arange(pos.numel())):
+        return None
+    return cols[idx]
 
 
 def _lo(r: _Row) -> int:

@@ -19,6 +19,10 @@ The attention backend calls, per decode step and layer::
 4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
    columns each query reads).
 
+``exact_contexts`` then gives, per *exact* row (a full row: its set is its whole
+context), that context's K/V in position order, laid out as SGLang's dense
+decode reads them, for :func:`~dd_sglang.kernels.sparse_decode.dense_decode_attention`.
+
 ``layer_done`` hands the slot back (the next copy reuses it) and queues, on the
 select worker, the choice of the next step's sets from this layer's queries
 (speculated or current, per selector) and the sampled hit-rate measurement.
@@ -242,6 +246,22 @@ class SparseStepRunner:
         q = fold_gqa(q3[plan.qidx], hkv)
         self.events.phase("assemble", time.perf_counter() - t1)
         return q, keys, values
+
+    @staticmethod
+    def exact_contexts(plan: StepPlan, keys: torch.Tensor, values: torch.Tensor):
+        """Per exact row (``plan.exact_rows``): ``(batch_row, K, V)``, its context's ``[seq_len, Hkv, D]``
+        K/V in position order, contiguous (the layout of SGLang's ``k_cache[req_to_token[row]]``).
+
+        ``keys`` / ``values``: the ``[R, Hkv, columns, D]`` views :meth:`layer_inputs` returned. The
+        plan rows of exact rows are found from ``plan.rows`` once per call (few rows: exact rows
+        exist only where ``top_k`` covers the context).
+        """
+        if not plan.exact_rows:
+            return
+        where = {b: j for j, b in enumerate(plan.rows.tolist())}
+        for b, cols in zip(plan.exact_rows, plan.exact_cols, strict=True):
+            j = where[b]
+            yield b, keys[j][:, cols].transpose(0, 1).contiguous(), values[j][:, cols].transpose(0, 1).contiguous()
 
     def _put(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
         """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of plan
