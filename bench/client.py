@@ -39,14 +39,18 @@ class Endpoint:
     start_seconds: float | None = None  # None: handed in, not started here
 
 
-def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None) -> Path:
+def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None,
+                 prefetch: dict | None = None) -> Path:  # fmt: skip
     """The default CPU preset with ``prefetch.hit_rate_sample`` set (1.0: every step measured) and,
-    optionally, ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory)."""
+    optionally, ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory)
+    and other ``prefetch`` keys (``prefetch``: a dict merged into that section)."""
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
+    preset["prefetch"].update(prefetch or {})
     if host_tier_bytes is not None:
         preset["sparse"]["host_tier_bytes"] = host_tier_bytes
-    path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}.yaml"
+    tag = "_".join(f"{k}-{v}" for k, v in sorted((prefetch or {}).items()))
+    path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}_{tag}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return path
 
@@ -63,11 +67,11 @@ def stop_left_running() -> None:
 
 @contextlib.contextmanager
 def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, max_total_tokens: int,
-           hit_rate_sample: float = 1.0, keep: bool = False):  # fmt: skip
+           hit_rate_sample: float = 1.0, keep: bool = False, prefetch: dict | None = None):  # fmt: skip
     """Yield an :class:`Endpoint`: the given URLs, or a server started here and stopped on exit.
 
     ``backend``: ``torch_native`` (dense) or ``dualdecoder`` (the latter with
-    :func:`bench_preset`). ``keep``: a server started here is left running (the
+    :func:`bench_preset`, its ``prefetch`` keys merged in). ``keep``: a server started here is left running (the
     caller stops it: :data:`LEFT_RUNNING`) so a later phase can reuse it. Raises ``RuntimeError`` when a started server fails
     (the message carries its log tail).
     """
@@ -78,7 +82,7 @@ def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, ma
     if backend == "torch_native":
         extra += DENSE_FLAGS
     if backend == "dualdecoder":
-        extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample))]
+        extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample, prefetch=prefetch))]
     srv = start_server(tmp / f"{backend}.log", max_total_tokens, extra, timeout=900)
     if keep:
         LEFT_RUNNING.append(srv)

@@ -6,6 +6,7 @@ Usage::
                                [--texts licenses,python_docs,package_docs] [--windows 2]
                                [--configs spec_host+dual_token,spec_host+ngram,recency]
                                [--regimes greedy,sample_t0.8,teacher_forced]
+                               [--variants default,b2=branches:2,miss=real_query:after_miss]
                                [--dd-url URL --dd-metrics-url URL] [--skip-ceiling]
                                [--out bench/results/prediction_cpu.json] [--quick]
 
@@ -25,6 +26,12 @@ seed per request); ``teacher_forced`` (output forced to the text's next tokens b
 :class:`bench.teacher_force.ForceTokensScored`). A cell (context x k x regime x
 configuration) reports the mean over its requests with a 95% Student-t
 interval (n = texts x windows).
+
+**Variants** (``--variants``): the serving part runs once per server variant, one
+after another in the same run: ``default`` is the preset; ``NAME=key:value/key:value``
+merges those keys into the preset's ``prefetch`` section (validated by the preset
+schema before any server starts), and the variant's cells carry the configuration
+name ``config[NAME]``. Recall is a count, not a time, so variants need not run at once.
 
 **Ceiling part** (same run, after the server part; :mod:`bench.ceiling`, HF
 transformers on the same converted model, float32): for the same windows,
@@ -75,28 +82,71 @@ def windows_of(tok, texts: list[str], contexts: list[int], n_windows: int, extra
     return out
 
 
+def parse_variants(arg: str) -> dict[str, dict]:
+    """``--variants``: ``{name: prefetch keys}`` (module docstring), ``default`` first if named.
+
+    Raises:
+        ValueError: a malformed item, a repeated name, or keys the preset schema refuses (the
+            message names ``--variants`` and the schema's complaint).
+    """
+    import yaml
+
+    from dd_sglang.config import PrefetchSection
+
+    out: dict[str, dict] = {}
+    for item in arg.split(","):
+        name, _, spec = item.partition("=")
+        if not name or name in out or (name == "default") == bool(spec):
+            raise ValueError(f"--variants: bad item {item!r} (default, or NAME=key:value/key:value; names unique)")
+        keys = {}
+        for kv in spec.split("/") if spec else []:
+            key, sep, value = kv.partition(":")
+            if not sep:
+                raise ValueError(f"--variants: {kv!r} in {item!r} is not key:value")
+            keys[key] = yaml.safe_load(value)
+        try:
+            PrefetchSection(**keys)
+        except Exception as err:  # pydantic's ValidationError: names the key and its range
+            raise ValueError(f"--variants {name}: {err}") from None
+        out[name] = keys
+    return out
+
+
+def variant_label(config: str, variant: str) -> str:
+    """A configuration's name in a variant's cells: ``config`` for ``default``, else ``config[variant]``."""
+    return config if variant == "default" else f"{config}[{variant}]"
+
+
 def serve_part(args, tok, wins, contexts, fractions, configs, regimes, n_layers, tmp) -> tuple[list, dict]:
-    runs = []
-    with served("dualdecoder", args.dd_url, args.dd_metrics_url, tmp, CAP) as ep:
-        grid = [(f, reg, name, custom) for f in fractions for reg in regimes for name, custom in configs.items()]
-        for (tname, n, w), (prompt, cont) in tqdm(sorted(wins.items()), desc="serving", unit="window"):
-            for f, reg, name, custom in grid:
-                k = n // f
-                c_params = {**custom, "dd_top_k": k}
-                sampling, force = None, None
-                if reg == "sample_t0.8":
-                    sampling = {**SAMPLING, "sampling_seed": zlib.crc32(f"{tname}:{n}:{w}".encode()) % 100000}
-                elif reg == "teacher_forced":
-                    force = cont[: args.tokens]
-                with Counters(ep) as c:
-                    r = generate(ep, prompt, args.tokens, sampling, c_params, force=force)
-                if force is not None and r["output_ids"] != force:
-                    raise RuntimeError("teacher forcing did not hold (is --enable-custom-logit-processor on?)")
-                runs.append({"context": n, "k": k, "fraction": f, "regime": reg, "config": name, "text": tname,
-                             "window": w, "output_tokens": len(r["output_ids"]), **c.prefetch(custom, n_layers),
-                             "seconds": round(r["seconds"], 2)})  # fmt: skip
-        start = ep.start_seconds
+    runs, start = [], {}
+    for variant, keys in args.variant_keys.items():
+        with served("dualdecoder", args.dd_url, args.dd_metrics_url, tmp, CAP, prefetch=keys) as ep:
+            labelled = {variant_label(n, variant): c for n, c in configs.items()}
+            runs += _serve_variant(args, ep, wins, fractions, labelled, regimes, n_layers)
+            start[variant] = ep.start_seconds
     return runs, {"dd_server_start_s": start}
+
+
+def _serve_variant(args, ep, wins, fractions, configs, regimes, n_layers) -> list:
+    runs = []
+    grid = [(f, reg, name, custom) for f in fractions for reg in regimes for name, custom in configs.items()]
+    for (tname, n, w), (prompt, cont) in tqdm(sorted(wins.items()), desc="serving", unit="window"):
+        for f, reg, name, custom in grid:
+            k = n // f
+            c_params = {**custom, "dd_top_k": k}
+            sampling, force = None, None
+            if reg == "sample_t0.8":
+                sampling = {**SAMPLING, "sampling_seed": zlib.crc32(f"{tname}:{n}:{w}".encode()) % 100000}
+            elif reg == "teacher_forced":
+                force = cont[: args.tokens]
+            with Counters(ep) as c:
+                r = generate(ep, prompt, args.tokens, sampling, c_params, force=force)
+            if force is not None and r["output_ids"] != force:
+                raise RuntimeError("teacher forcing did not hold (is --enable-custom-logit-processor on?)")
+            runs.append({"context": n, "k": k, "fraction": f, "regime": reg, "config": name, "text": tname,
+                         "window": w, "output_tokens": len(r["output_ids"]), **c.prefetch(custom, n_layers),
+                         "seconds": round(r["seconds"], 2)})  # fmt: skip
+    return runs
 
 
 def ceiling_part(args, wins, contexts, fractions, regimes) -> list:
@@ -173,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", default=None, help="comma list of bench.texts.TEXTS (default: all available)")
     ap.add_argument("--configs", default="spec_host+dual_token,spec_host+ngram,recency")
     ap.add_argument("--regimes", default=",".join(REGIMES))
+    ap.add_argument("--variants", default="default", help="server variants (module docstring)")
     ap.add_argument("--dd-url", default=None)
     ap.add_argument("--dd-metrics-url", default=None)
     ap.add_argument("--skip-ceiling", action="store_true")
@@ -187,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--dd-url needs --dd-metrics-url")
     if args.tokens < 4:
         ap.error("--tokens must be >= 4 (the first decode step has nothing prefetched)")
+    try:
+        args.variant_keys = parse_variants(args.variants)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.dd_url and list(args.variant_keys) != ["default"]:
+        ap.error("--variants other than default start their own servers: not with --dd-url")
     regimes = args.regimes.split(",")
     for r in regimes:
         if r not in REGIMES:
@@ -221,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.prediction " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "settings": {"contexts": contexts, "fractions": fractions, "tokens": args.tokens, "windows": args.windows,
-                     "texts": texts, "configs": configs, "regimes": regimes, "sampling": SAMPLING,
+                     "texts": texts, "configs": configs, "regimes": regimes, "variants": args.variant_keys, "sampling": SAMPLING,
                      "prefetch_hit_rate_sample": 1.0, "quick": args.quick},
-        **summarize(runs, ceil, contexts, fractions, regimes, configs, n_layers),
+        **summarize(runs, ceil, contexts, fractions, regimes,
+                    [variant_label(n, v) for v in args.variant_keys for n in configs], n_layers),  # fmt: skip
         "runs": runs,
         "ceiling_runs": ceil,
         "timing": timing,

@@ -153,7 +153,11 @@ class PrefetchSection(_Strict):
     ``kernel`` on CUDA where sgl_kernel imports, else ``staging``).
     ``branches``: ``dual_token`` rides up to this many tokens; with 2, an argmax
     whose probability is below ``confident`` rides with the runner-up and the
-    selector ranks by both queries at the same ``top_k``. A
+    selector ranks by both queries at the same ``top_k``. ``real_query``: the
+    lookahead selection also ranks by the real token's query (at the same
+    ``top_k``): ``never``; ``after_miss``, on steps whose riding token is not the
+    model's own guess (the last speculation was rejected, or none rode, so the
+    rider is a prompt lookup); ``always``. A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
@@ -169,6 +173,7 @@ class PrefetchSection(_Strict):
     gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
     branches: int = Field(1, ge=1, le=2)
     confident: float = Field(0.9, ge=0.0, le=1.0)
+    real_query: Literal["never", "after_miss", "always"] = "never"
 
 
 class DDConfig(_Strict):

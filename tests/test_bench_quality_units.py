@@ -82,3 +82,20 @@ def test_needle_prompt_size_depth_and_answer(tokenizer):
     assert case.found(f" {case.answer}.") and not case.found(f" {case.answer}son")
     key = needle_prompt(tokenizer, "python_docs", 1000, 0.5, "passkey", 3)
     assert key.answer.isdigit() and len(key.answer) == 5 and key.prompt.endswith("The pass key is")
+
+
+def test_prediction_variants_are_parsed_and_checked_by_the_preset_schema():
+    from bench.prediction import parse_variants, variant_label
+
+    assert parse_variants("default,b2=branches:2,both=branches:2/real_query:after_miss") == {
+        "default": {},
+        "b2": {"branches": 2},
+        "both": {"branches": 2, "real_query": "after_miss"},
+    }
+    assert variant_label("spec_host+dual_token", "b2") == "spec_host+dual_token[b2]"
+    assert variant_label("recency", "default") == "recency"
+    for bad, needle in [("b3=branches:3", "branches"), ("x=real_query:sometimes", "real_query"),
+                        ("x=nokey", "not key:value"), ("default=branches:2", "bad item"), ("b=", "bad item"),
+                        ("a=branches:2,a=branches:1", "bad item"), ("x=typo:1", "typo")]:  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            parse_variants(bad)

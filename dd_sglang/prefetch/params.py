@@ -28,6 +28,11 @@ class PrefetchParams:
         branches: ``dual_token`` rides up to this many tokens (1 or 2): with 2, an unconfident
             argmax rides with the second most likely token and the selector ranks by both.
         confident: top-1 probability at or above which one token rides.
+        real_query: when the next step's lookahead selection also ranks by the real token's
+            query, beside the riding ones (max over all of them per KV head, same ``k``):
+            ``never``; ``after_miss`` (the row's riding token is not the model's own guess: its
+            last speculation was rejected or none rode, so a prompt lookup rides, or nothing);
+            ``always``.
         select: where the next step's selection runs: ``worker`` (the select worker thread),
             ``inline`` (the forward thread, after the layer's attention); ``auto``: ``worker``
             on CUDA, ``inline`` on a CPU device (where a worker only competes for the same
@@ -48,3 +53,4 @@ class PrefetchParams:
     gather: str = "auto"
     branches: int = 1
     confident: float = 0.9
+    real_query: str = "never"

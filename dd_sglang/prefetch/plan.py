@@ -244,6 +244,7 @@ class PlanInputs:
     repair_budget: int
     hit_rate_sample: float
     rng: random.Random
+    real_query: str = "never"
 
 
 def _history(st, token: int) -> list[int]:
@@ -425,7 +426,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         fixed_pos=fixed_pos,
         fixed_slots=fixed_slots,
         sync=tuple(_groups(rows, range(n_fixed, n), blocks, qidx, use_spec=False)),
-        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True)),
+        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True, real_query=inp.real_query)),
         blocks=blocks,
         k=k,
         n_res=n_res,
@@ -467,12 +468,16 @@ def _lo(r: _Row) -> int:
     return int(r.cand[0]) if r.cand.numel() else 0
 
 
-def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool) -> list:
+def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool,
+            real_query: str = "never") -> list:  # fmt: skip
     """Group plan rows ``which`` by selector (one selection call per group and layer).
 
     A group's queries: the speculated positions (all of them: the selector ranks by every
     riding token's query at once) for a selector that reads them when ``use_spec``, else the
-    real one.
+    real one. With ``real_query`` ``always``, or ``after_miss`` for a row whose last speculation
+    was not accepted (:attr:`SpecState.branch` is None: its rider, if any, is a prompt lookup),
+    the real query joins them; other rows of the group repeat their first rider there (the same
+    ranking: a selector takes the max over a KV head's queries).
     """
     by_name: dict[str, list[int]] = {}
     for j in which:
@@ -484,6 +489,9 @@ def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_
         idx = torch.tensor(js, dtype=torch.int64)
         spec = use_spec and sel.uses_speculator and qidx.shape[1] > 1
         q = qidx[idx, 1:] if spec else qidx[idx, :1]
+        if spec and real_query != "never":
+            mix = torch.tensor([real_query == "always" or rows[j].pred.spec.branch is None for j in js])
+            q = torch.cat([q, torch.where(mix, qidx[idx, 0], qidx[idx, 1]).unsqueeze(1)], 1)
         dest = torch.tensor([order[j] for j in js], dtype=torch.int64)
         out.append(SelectionGroup(sel, idx, q, blocks.take(idx), max(rows[j].st.top_k for j in js), dest))
     return out

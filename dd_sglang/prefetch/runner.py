@@ -139,6 +139,7 @@ class SparseStepRunner:
             repair_budget=params.repair_budget,
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
+            real_query=params.real_query,
         )
         self._exact = SELECTORS["oracle"]()
         self._repair_scorer = make_selector("spec_host", params.rerank)
