@@ -56,7 +56,10 @@ class DenseFake:
 
 class Events(BackendEvents):
     def __init__(self):
-        self.cold_n, self.rows, self.steps, self.copied_bytes = 0, 0, [], 0
+        self.cold_n, self.rows, self.steps, self.copied_bytes, self.exact = 0, 0, [], 0, 0
+
+    def exact_rows(self, n):
+        self.exact += n
 
     def cold(self, selector, n):
         self.cold_n += n
@@ -179,7 +182,7 @@ def test_top_k_covering_the_context_is_sglang_dense_decode_bit_for_bit_and_no_to
         for i in range(LAYERS):
             q = qs[i][0][0]
             assert torch.equal(outs[i][0], _sglang_dense_decode(q, h.k_all[i][:n], h.v_all[i][:n]))
-    assert h.events.steps == ["sparse"] * 3 and h.events.rows == 3 * LAYERS
+    assert h.events.steps == ["sparse"] * 3 and h.events.rows == h.events.exact == 3 * LAYERS
     assert h.events.cold_n == 0  # every candidate fits: no selection at all
     assert h.backend.runner.store.get("r1").spec.proposed == 0
 
@@ -234,6 +237,7 @@ def _topk_sets(q, k_all, cand, k):
 def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query():
     h = Harness(top_k=24, selector="oracle")
     for _ in range(2):
+        assert h.events.exact == 0
         cand = h.st.host_candidates()
         resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
         fb, qs, outs = h.step()

@@ -147,6 +147,8 @@ def test_full_top_k_is_token_identical_to_dense(dd_server, server, tokenizer, se
     )
     rows = after["dd_sparse_decode_rows_total"] - before.get("dd_sparse_decode_rows_total", 0.0)
     assert rows == 47 * N_LAYERS  # every decode step, every layer, on the sparse path
+    exact = after["dd_sparse_exact_rows_total"] - before.get("dd_sparse_exact_rows_total", 0.0)
+    assert exact == rows  # ... each through dense's own attention call
 
 
 @pytest.fixture(scope="module")

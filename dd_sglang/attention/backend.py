@@ -232,6 +232,8 @@ class DualDecoderAttnBackend(AttentionBackend):
         step.attention_s += time.perf_counter() - t1
         runner.layer_done(plan, hl, q3, layer.scaling)
         self.events.sparse_rows(plan.num_rows)
+        if plan.exact_rows:
+            self.events.exact_rows(len(plan.exact_rows))
         return out.view(-1, hq * dv)
 
     def _dense_rows(self, step: DecodeStep, q3, k3, v3, out, layer, fb, **kwargs) -> None:

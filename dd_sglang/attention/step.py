@@ -23,6 +23,9 @@ class BackendEvents(PrefetchEvents):
     def sparse_rows(self, n: int) -> None:
         """``n`` (request, layer) rows were decoded sparsely."""
 
+    def exact_rows(self, n: int) -> None:
+        """``n`` of them had their whole context as critical set and were attended with dense's own call."""
+
     def step(self, kind: str, seconds: float) -> None:
         """A decode forward finished: ``kind`` ``sparse`` (it had sparse rows) or ``dense``."""
 

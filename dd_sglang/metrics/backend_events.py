@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class MetricsEvents:
-    """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_prefetch_*``,
+    """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_sparse_exact_rows_total``, ``dd_prefetch_*``,
     ``dd_spec_*`` and ``dd_transfer_*``.
 
     With tensor parallelism every TP rank of a replica runs the same requests and steps over its
@@ -40,6 +40,10 @@ class MetricsEvents:
     def sparse_rows(self, n: int) -> None:
         if self.primary:
             self.m.SPARSE_DECODE_ROWS.inc(n)
+
+    def exact_rows(self, n: int) -> None:
+        if self.primary:
+            self.m.SPARSE_EXACT_ROWS.inc(n)
 
     def cold(self, selector: str, n: int) -> None:
         if self.primary:

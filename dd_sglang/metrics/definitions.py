@@ -92,6 +92,11 @@ SPARSE_DECODE_ROWS = Counter(
     "dd_sparse_decode_rows",
     "(request, layer) attention rows decoded on the sparse path by the dualdecoder backend.",
 )
+SPARSE_EXACT_ROWS = Counter(
+    "dd_sparse_exact_rows",
+    "(request, layer) sparse rows whose critical set was their whole context, attended with the dense "
+    "path's own attention call (bit-identical to dense decode).",
+)
 HOST_TIER_REBUILT_TOKENS = Counter(
     "dd_host_tier_rebuilt_tokens",
     "Tokens of finished requests' host-tier KV loaded back to the device as a new request's prefix (REBUILD).",
@@ -222,6 +227,7 @@ UNITS = {
     "dd_dualpath_requests": "requests",
     "dd_dualpath_transitions": "transitions",
     "dd_sparse_decode_rows": "(request, layer) rows",
+    "dd_sparse_exact_rows": "(request, layer) rows",
     "dd_host_tier_rebuilt_tokens": "tokens",
     "dd_prefetch_hits": "critical-set slots (tokens per layer and KV head)",
     "dd_prefetch_lookups": "critical-set slots (tokens per layer and KV head)",

@@ -45,6 +45,32 @@ def dense_ids(srv, ids: list[int], n: int) -> list[int]:
     return generate(srv, ids, n, {"dd_sparse": False}, extra_key=f"dense-reference-{uuid.uuid4().hex}")["output_ids"]
 
 
+#: Largest log-probability gap (nats) between a dense reference's greedy token and the token a run in
+#: other batches chose instead: bfloat16 rounding that depends on the batch (see the growth case) moves
+#: log-probabilities by up to ~0.1 (``tests/test_dualdecoder_e2e.py`` measured 0.104 between decode and
+#: prefill of the same tokens).
+NEAR_TIE_NATS = 0.15
+
+
+def assert_greedy_matches_dense(srv, ids: list[int], got: list[int]) -> None:
+    """``got`` equals the dense reference (:func:`dense_ids`) token for token, or up to a near tie.
+
+    The check of vLLM's ``check_logprobs_close``, with our bound: at the first position where they part,
+    the reference's own greedy token may beat ``got``'s by at most :data:`NEAR_TIE_NATS` in the
+    reference's log-probabilities (its top 2); past that point the contexts differ and nothing is compared.
+    """
+    ref = generate(srv, ids, len(got), {"dd_sparse": False}, extra_key=f"dense-reference-{uuid.uuid4().hex}",
+                   return_logprob=True, top_logprobs_num=2)  # fmt: skip
+    want = ref["output_ids"]
+    i = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    if i is None:
+        return
+    top = {int(t): lp for lp, t, *_ in ref["meta_info"]["output_top_logprobs"][i]}
+    assert got[i] in top and top[want[i]] - top[got[i]] <= NEAR_TIE_NATS, (
+        f"token {i}: {got[i]} where dense has {want[i]} (dense top-2 log-probabilities {top})"
+    )
+
+
 def assert_idle_baseline(srv) -> dict:
     """No request holds device or host KV: only the prefix caches remain."""
     m = wait_idle(srv)
@@ -170,12 +196,11 @@ def test_decode_growth_past_the_host_tier(
     long request arriving then is refused by the host tier and runs densely. No 5xx, the tier never
     exceeds its capacity, and both outputs equal the dense path's.
 
-    The second request asks for two tokens: its chunked prefill runs in batches of its own (mixed
-    chunked prefill is off), so the two requests share one decode step only, where request 1 is row 0.
-    More would not do: in bfloat16 SGLang's own dense decode is not batch invariant on a CPU
-    (``F.linear`` 1536 -> 576, the MLP's down projection, gives row 1 of a 2-row batch other bits than
-    the same row alone, measured here), so shared decode steps make a solo reference differ for reasons
-    outside this test (16 shared steps parted request 1 from its reference at token 105)."""
+    The two requests share decode steps, and in bfloat16 SGLang's own dense decode is not batch invariant
+    on a CPU (``F.linear`` 1536 -> 576, the MLP's down projection, gives row 1 of a 2-row batch other
+    bits than the same row alone, measured here), so a solo reference may part from them at a near tie
+    (measured: request 1 at token 105, every one of its steps attended exactly, ``dd_sparse_exact_rows``):
+    the outputs are compared with :func:`assert_greedy_matches_dense`."""
     ids1 = growth_prompt[1]
     prompt2, n2 = passkey_prompt(tokenizer, 1200, 0.5, 17171, header="Growth check 2. ")
     ids2 = tokenizer.encode(prompt2)
@@ -198,14 +223,16 @@ def test_decode_growth_past_the_host_tier(
             assert time.monotonic() - t0 < 300, "the host tier never filled"
             assert t1.is_alive(), "request 1 ended before the tier filled"
             time.sleep(0.1)
-        t2 = threading.Thread(target=run, args=(1, ids2, 2))
+        t2 = threading.Thread(target=run, args=(1, ids2, 16))
         t2.start()
         t1.join()
         t2.join()
     for r in results:
         assert r.status_code == 200, r.text
-    assert results[0].json()["output_ids"] == dense_ids(rel_server, ids1, 120)
-    assert results[1].json()["output_ids"] == dense_ids(rel_server, ids2, 2)
+    done = scrape(rel_server.metrics_url)
+    assert delta(done, before, "dd_sparse_exact_rows_total") == delta(done, before, "dd_sparse_decode_rows_total")
+    assert_greedy_matches_dense(rel_server, ids1, results[0].json()["output_ids"])
+    assert_greedy_matches_dense(rel_server, ids2, results[1].json()["output_ids"])
     used = [x["dd_host_tier_used_bytes"] for x in s.samples]
     assert max(used) == host_usable_bytes  # full, to the page, and never more
     assert all(x["dd_host_tier_capacity_bytes"] == capacity for x in s.samples)
