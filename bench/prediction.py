@@ -23,7 +23,11 @@ dd_prefetch_mass_top_k_total``, per-layer recall = the per-layer histogram's
 ``sum / count``, acceptance = ``dd_spec_accepted_total / dd_spec_proposed_total``.
 Regimes (DESIGN.md): ``greedy``; ``sample_t0.8`` (temperature 0.8, top-p 0.95,
 seed per request); ``teacher_forced`` (output forced to the text's next tokens by
-:class:`bench.teacher_force.ForceTokensScored`). A cell (context x k x regime x
+:class:`bench.teacher_force.ForceTokensScored`); ``replay_t0.8`` (a paired form of
+``sample_t0.8``: one continuation per window is sampled at T 0.8 / top-p 0.95 on the
+first variant's dense path, ``dd_sparse: false``, then teacher-forced through every
+configuration and variant, so they predict the same token sequence and differ
+only in their prediction; the ceiling scores the same sequence). A cell (context x k x regime x
 configuration) reports the mean over its requests with a 95% Student-t
 interval (n = texts x windows).
 
@@ -63,7 +67,7 @@ from bench.fidelity import parse_configs
 from bench.stats import mean_ci
 from bench.texts import available_texts, text
 
-REGIMES = ("greedy", "sample_t0.8", "teacher_forced")
+REGIMES = ("greedy", "sample_t0.8", "teacher_forced", "replay_t0.8")
 CAP = 16384
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 
@@ -117,17 +121,32 @@ def variant_label(config: str, variant: str) -> str:
     return config if variant == "default" else f"{config}[{variant}]"
 
 
-def serve_part(args, tok, wins, contexts, fractions, configs, regimes, n_layers, tmp) -> tuple[list, dict]:
-    runs, start = [], {}
+def _seed(tname: str, n: int, w: int) -> int:
+    return zlib.crc32(f"{tname}:{n}:{w}".encode()) % 100000
+
+
+def sample_replays(ep, wins, tokens: int) -> dict:
+    """``{window: ids}``: ``tokens`` tokens sampled at :data:`SAMPLING` (the window's seed) on the dense path."""
+    out = {}
+    for (tname, n, w), (prompt, _) in tqdm(sorted(wins.items()), desc="replays", unit="window"):
+        sampling = {**SAMPLING, "sampling_seed": _seed(tname, n, w)}
+        out[(tname, n, w)] = generate(ep, prompt, tokens, sampling, {"dd_sparse": False})["output_ids"]
+    return out
+
+
+def serve_part(args, tok, wins, contexts, fractions, configs, regimes, n_layers, tmp) -> tuple[list, dict, dict]:
+    runs, start, replays = [], {}, {}
     for variant, keys in args.variant_keys.items():
         with served("dualdecoder", args.dd_url, args.dd_metrics_url, tmp, CAP, prefetch=keys) as ep:
+            if "replay_t0.8" in regimes and not replays:
+                replays = sample_replays(ep, wins, args.tokens)
             labelled = {variant_label(n, variant): c for n, c in configs.items()}
-            runs += _serve_variant(args, ep, wins, fractions, labelled, regimes, n_layers)
+            runs += _serve_variant(args, ep, wins, fractions, labelled, regimes, n_layers, replays)
             start[variant] = ep.start_seconds
-    return runs, {"dd_server_start_s": start}
+    return runs, {"dd_server_start_s": start}, replays
 
 
-def _serve_variant(args, ep, wins, fractions, configs, regimes, n_layers) -> list:
+def _serve_variant(args, ep, wins, fractions, configs, regimes, n_layers, replays) -> list:
     runs = []
     grid = [(f, reg, name, custom) for f in fractions for reg in regimes for name, custom in configs.items()]
     for (tname, n, w), (prompt, cont) in tqdm(sorted(wins.items()), desc="serving", unit="window"):
@@ -136,9 +155,11 @@ def _serve_variant(args, ep, wins, fractions, configs, regimes, n_layers) -> lis
             c_params = {**custom, "dd_top_k": k}
             sampling, force = None, None
             if reg == "sample_t0.8":
-                sampling = {**SAMPLING, "sampling_seed": zlib.crc32(f"{tname}:{n}:{w}".encode()) % 100000}
+                sampling = {**SAMPLING, "sampling_seed": _seed(tname, n, w)}
             elif reg == "teacher_forced":
                 force = cont[: args.tokens]
+            elif reg == "replay_t0.8":
+                force = replays[(tname, n, w)]
             with Counters(ep) as c:
                 r = generate(ep, prompt, args.tokens, sampling, c_params, force=force)
             if force is not None and r["output_ids"] != force:
@@ -149,7 +170,7 @@ def _serve_variant(args, ep, wins, fractions, configs, regimes, n_layers) -> lis
     return runs
 
 
-def ceiling_part(args, wins, contexts, fractions, regimes) -> list:
+def ceiling_part(args, wins, contexts, fractions, regimes, replays) -> list:
     import torch
 
     from bench.ceiling import ceiling_run, load_model
@@ -161,8 +182,10 @@ def ceiling_part(args, wins, contexts, fractions, regimes) -> list:
         ks = [n // f for f in fractions]
         for reg in regimes:
             t0 = time.monotonic()
-            res = ceiling_run(model, prompt, cont, args.tokens - 2, reg, ks,
-                              seed=zlib.crc32(f"{tname}:{n}:{w}".encode()) % 100000)  # fmt: skip
+            if reg == "replay_t0.8":  # the replayed sequence, forced as the text's is
+                res = ceiling_run(model, prompt, replays[(tname, n, w)], args.tokens - 2, "teacher_forced", ks)
+            else:
+                res = ceiling_run(model, prompt, cont, args.tokens - 2, reg, ks, seed=_seed(tname, n, w))
             for f, k in zip(fractions, ks, strict=True):
                 out.append({"context": n, "k": k, "fraction": f, "regime": reg, "text": tname, "window": w,
                             "steps": args.tokens - 2, **res[k], "seconds": round(time.monotonic() - t0, 1)})  # fmt: skip
@@ -263,14 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     wins = windows_of(tok, texts, contexts, args.windows, args.tokens + 1)
     tmp = Path(tempfile.mkdtemp(prefix="dd_prediction_"))
     timing: dict = {}
-    runs, ceil = [], []
+    runs, ceil, replays = [], [], {}
+    if "replay_t0.8" in regimes and args.skip_serving:
+        ap.error("--regimes replay_t0.8 samples its sequences on the server: not with --skip-serving")
     if not args.skip_serving:
         t1 = time.monotonic()
-        runs, info = serve_part(args, tok, wins, contexts, fractions, configs, regimes, n_layers, tmp)
+        runs, info, replays = serve_part(args, tok, wins, contexts, fractions, configs, regimes, n_layers, tmp)
         timing.update(info, serving_s=round(time.monotonic() - t1, 1))
     if not args.skip_ceiling:
         t1 = time.monotonic()
-        ceil = ceiling_part(args, wins, contexts, fractions, regimes)
+        ceil = ceiling_part(args, wins, contexts, fractions, regimes, replays)
         timing["ceiling_s"] = round(time.monotonic() - t1, 1)
     result = {
         "benchmark": "prefetch recall / attention-mass coverage per layer and regime in serving, with the "
@@ -284,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     [variant_label(n, v) for v in args.variant_keys for n in configs], n_layers),  # fmt: skip
         "runs": runs,
         "ceiling_runs": ceil,
+        "replays": {f"{t}:{n}:{w}": ids for (t, n, w), ids in replays.items()},
         "timing": timing,
     }  # fmt: skip
     result["wall_seconds"] = round(time.monotonic() - t0, 1)

@@ -162,7 +162,7 @@ def plot_prediction(res: dict, layers_path: Path, regimes_path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
     for ax, (n, f) in zip(axes[0], groups, strict=True):
-        names = list(s["configs"]) + ["ceiling (HF)", "recency (HF)"]
+        names = list(dict.fromkeys(c["config"] for c in res["cells"])) + ["ceiling (HF)", "recency (HF)"]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             means, errs = [], [[], []]

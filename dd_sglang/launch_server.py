@@ -447,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         logger.error("SGLang exited with code %s", rc)
         _stop_group(proc)  # reap anything its processes left behind
-        rc = 1  # SGLang died on its own (a crash, an OOM kill): one code, its own is in the log
+        if rc == 2 and not ready.is_set():
+            # argparse's usage error: SGLang's own parser refused a flag (its message is above),
+            # before any engine process started. A bad flag is exit code 2, as for dd's own.
+            logger.error("SGLang refused its command line; nothing was started")
+        else:
+            rc = 1  # SGLang died on its own (a crash, an OOM kill): one code, its own is in the log
     sidecar.stop()
     metrics_sock.close()
     shutil.rmtree(prom_dir, ignore_errors=True)

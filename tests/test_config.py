@@ -208,6 +208,23 @@ def test_same_port_for_api_and_metrics_is_refused_whatever_the_host_spelling(tmp
     assert r.returncode == 2 and "equals SGLang's --port" in r.stderr
 
 
+def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(tmp_path):
+    """SGLang's own parser judges SGLang's flags (no hand-written flag table here): its usage error
+    becomes the launcher's exit code 2, and nothing is left running."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    r = _launch("--model-path", str(tmp_path), "--port", ports[0], "--metrics-port", ports[1],
+                "--bogus-flag", "3", timeout=300)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-2000:]
+    assert "unrecognized arguments: --bogus-flag 3" in out and "refused its command line" in out
+
+
 def test_missing_local_model_path_fails_fast():
     r = _launch("--model-path", "/nonexistent/model")
     assert r.returncode == 2 and "no such local folder: /nonexistent/model" in r.stderr

@@ -172,6 +172,8 @@ def test_prediction_quick_fields(quick_results):
     for r in pred["runs"]:  # every decode step after the first (cold) one was measured, every layer and KV head
         assert r["lookups"] == (s["tokens"] - 2) * N_LAYERS * 3 * r["k"]
     assert len(pred["ceiling_cells"]) == len(s["regimes"])
+    assert "replay_t0.8" in s["regimes"]  # one sampled sequence per window, forced through every configuration
+    assert [len(v) for v in pred["replays"].values()] == [s["tokens"]]
     for e in pred["ceiling_cells"]:
         for m in ("ceiling_recall", "ceiling_mass", "recency_recall", "recency_mass"):
             assert _ci_ok(e[m], n=1) and len(e[f"{m}_per_layer"]) == N_LAYERS
