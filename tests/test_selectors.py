@@ -11,8 +11,6 @@ from dd_sglang.prefetch.index import (
     BLOCK_TOKENS,
     KeyBlockIndex,
     QuantKeyIndex,
-    all_blocks,
-    block_tokens,
     row_blocks,
 )
 from dd_sglang.prefetch.selectors import SELECTORS, gqa_token_scores, make_selector
@@ -146,31 +144,56 @@ def test_spec_host_rerank_covering_every_candidate_is_exact_and_reads_fewer_keys
     assert torch.equal(pos.sort(dim=-1).values, exact.sort(dim=-1).values)
 
 
-def test_spec_host_on_a_bf16_tier_scores_in_bf16_and_keeps_the_exact_top_k():
-    """A bf16 tier: the int8 product runs in bf16 (int8 values are exact there; only the output is
-    rounded), its logits match the float32 product to bf16's precision, and rerank 2 still finds
-    the exact top-k."""
+def test_spec_host_int8_logits_are_the_quantised_product_and_keep_the_exact_top_k():
+    """A bf16 tier: the approximate logits equal ``s_q s_k (q8 . k8)`` computed by hand from the
+    quantised query and keys, lie within the two quantisation steps of the exact logits, and
+    rerank 2 still finds the exact top-k."""
     lens, his, k = [1200], [1100], 16
     host_k, slots, rows, _ = _rows(lens, his, seed=2)
     host_k = host_k.bfloat16()
     idx = QuantKeyIndex(host_k)
     idx.update(slots[0], 0, 1200)
-    assert idx.compute_dtype is torch.bfloat16
-    assert QuantKeyIndex(host_k.float()).compute_dtype is torch.float32
     q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3))
-    pos, sl, ok = block_tokens(rows, all_blocks(rows, HKV))
-    got = idx.logits(q, 0, sl, ok, SCALE)
-    keys = (idx.q8[0].float() * idx.scale[0].unsqueeze(-1))[
-        sl, torch.arange(HKV).view(1, HKV, 1)
-    ]  # [1, Hkv, n, D]
-    want = torch.einsum("rhgd,rhnd->rhgn", q.bfloat16().float().view(1, HKV, HQ // HKV, D), keys) * SCALE
-    want = want.masked_fill(~ok[:, :, None, :], float("-inf"))
-    assert got.dtype is torch.float32 and torch.equal(got.isinf(), want.isinf())
-    fin = ~got.isinf()
-    torch.testing.assert_close(got[fin], want[fin], rtol=2**-7, atol=2**-7 * want[fin].abs().max().item())
-    exact = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
+    got = idx.candidate_logits(q, 0, rows, SCALE)  # [1, Hkv, G, P]
+    p = got.shape[-1]
+    qg = q.view(1, HKV, HQ // HKV, D)
+    sq = qg.abs().amax(-1, keepdim=True) / 127
+    q8 = (qg / sq).round()
+    sl = slots[0][:p]
+    k8, sk = idx.q8[0, sl].float(), idx.scale[0, sl]  # [P, Hkv, D], [P, Hkv]
+    want = torch.einsum("hgd,phd->hgp", q8[0], k8) * sk.T.unsqueeze(1) * sq[0] * SCALE
+    cand = rows.cand[0, :p]
+    fin = got[0][:, :, cand]
+    assert got.dtype is torch.float32 and got[0][:, :, ~cand].isinf().all() and not fin.isinf().any()
+    torch.testing.assert_close(fin, want[:, :, cand], rtol=1e-5, atol=1e-4)
+    exact = torch.einsum("hgd,phd->hgp", qg[0], host_k[0, sl].float())[:, :, cand] * SCALE
+    assert (fin - exact).abs().max() < 0.05 * exact.abs().max()
     top = make_selector("spec_host", rerank=2).select(q, rows, host_k[0], k, SCALE, idx, 0)[0]
-    assert torch.equal(top.sort(dim=-1).values, exact.sort(dim=-1).values)
+    ref = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)[0]
+    assert torch.equal(top.sort(dim=-1).values, ref.sort(dim=-1).values)
+
+
+def test_runs_follow_consecutive_slots_and_score_like_a_gather(monkeypatch):
+    """A row over shuffled pages splits into one run per page (hand-computed), and scoring those runs
+    in place equals scoring one gather of every slot (the fragmented-row path)."""
+    from dd_sglang.prefetch import index as index_mod
+
+    host_k, slots, rows, _ = _rows([300, 180], [260, 150], seed=1)
+    for r, hi in enumerate([260, 150]):
+        runs = rows.runs[r]
+        assert runs[0][0] == 4 and runs[-1][1] == hi  # first to last candidate
+        for p0, p1, s0 in runs:
+            assert torch.equal(slots[r][p0:p1], torch.arange(s0, s0 + p1 - p0))
+        cuts = [p for p in range(5, hi) if int(slots[r][p]) != int(slots[r][p - 1]) + 1]
+        assert [p0 for p0, _, _ in runs[1:]] == cuts and len(runs) == len(cuts) + 1
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(5))
+    in_place = index_mod.candidate_logits(q, host_k[1], rows, SCALE)
+    monkeypatch.setattr(index_mod, "MAX_RUNS", 0)
+    gathered = index_mod.candidate_logits(q, host_k[1], rows.take(torch.arange(2)), SCALE)
+    assert torch.equal(in_place.isinf(), gathered.isinf())
+    torch.testing.assert_close(in_place, gathered)
+    by_hand = torch.einsum("hgd,phd->hgp", q[0].view(HKV, -1, D), host_k[1][slots[0][:260]]) * SCALE
+    torch.testing.assert_close(in_place[0, :, :, 4:260], by_hand[:, :, 4:])
 
 
 def test_spec_host_finds_tokens_aligned_with_the_query():

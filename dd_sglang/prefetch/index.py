@@ -4,12 +4,23 @@
 copy of every host-tier key, one absmax scale per token, layer and KV head
 (float32), in host memory: ``num_layers x host_slots x num_kv_heads x
 (head_dim + 4)`` bytes, 68/256 of a bfloat16 tier's K+V bytes (68/512 of a
-float32 one). A selection scores every candidate with the int8 keys (a
-quarter of a float32 key's bytes, half of a bfloat16 one's) and re-ranks the
-best ``rerank x k`` with the exact keys. Measured on SmolLM2 (``bench/prefetch.py``
-reports it per run): the int8 scores' top 256 of a 4k context hold 98.9% of the
-exact top 256 and their top 512 hold all of it, where min/max block bounds reading
-38% of the keys held 72%.
+float32 one). A selection quantises the query heads too and scores every
+candidate with one int8 x int8 GEMM per row (a quarter of a float32 key's
+bytes, half of a bfloat16 one's), then re-ranks the best ``rerank x k`` with
+the exact keys. Measured on SmolLM2 (``bench/index_recall.py``,
+``bench/results/index_recall_cpu.json``): at 4k and 7.9k tokens and k 256
+the re-ranked set holds 0.999 of the exact top 256.
+
+**Reading keys in place.** Every KV head of a host slot is one contiguous
+``num_kv_heads x head_dim`` row of a layer (the tier is layer-first), the
+positions of a row are the same for all its KV heads, and a request's pages
+are mostly consecutive slots (its offload allocates them at once). So a
+step's candidates are built once, head-independent (:attr:`RowBlocks.tokens`,
+:attr:`RowBlocks.runs`), and each layer scores a row with one GEMM per run of
+consecutive slots on a view of the tier or its index, every query head at
+once through a block-diagonal query matrix (:func:`token_products`): no
+gather, no per-head copy. Exact scoring (:func:`candidate_logits`) reads the
+keys the same way.
 
 **Block index** (``quest_device``). :class:`KeyBlockIndex` keeps, per layer, the element-wise min and
 max of the keys of every block of :data:`BLOCK_TOKENS` consecutive host-tier
@@ -42,11 +53,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 #: Tokens summarised by one index entry (Quest's default page size).
 BLOCK_TOKENS = 16
+#: A row split over more host-tier runs than this is scored from one gather instead of a GEMM
+#: per run (a fragmented tier: per-call overhead would then exceed the gather's copy).
+MAX_RUNS = 16
 
 
 class KeyBlockIndex:
@@ -133,10 +148,6 @@ class QuantKeyIndex:
         self.device = torch.device(device)
         self.q8 = torch.zeros((n_layers, slots, hkv, d), dtype=torch.int8, device=self.device)
         self.scale = torch.zeros((n_layers, slots, hkv), dtype=torch.float32, device=self.device)
-        #: dtype of the approximate product: the tier's own 16-bit dtype where it has one (int8
-        #: values are exact in bf16 / fp16 and the matmul accumulates in float32; only its output
-        #: is rounded), else float32.
-        self.compute_dtype = host_k.dtype if host_k.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
     @property
     def nbytes(self) -> int:
@@ -158,27 +169,35 @@ class QuantKeyIndex:
             self.q8[layer, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
             self.scale[layer, dst] = s.to(self.device)
 
-    def logits(self, q: torch.Tensor, layer: int, slots: torch.Tensor, ok: torch.Tensor, scale: float) -> torch.Tensor:
-        """Approximate scaled logits ``scale x q . k`` of the given tokens from the int8 keys.
+    def candidate_logits(self, q: torch.Tensor, layer: int, rows: RowBlocks, scale: float) -> torch.Tensor:
+        """Approximate logits of every candidate token of every row, int8 x int8.
+
+        The queries are quantised too (one absmax scale per query head, as the keys per token
+        and KV head), so the product is an int8 GEMM (:func:`int8_matmul`) over whole int8
+        token rows, every KV head at once, read in place (:func:`token_products`): ``Hkv x D``
+        bytes per token and no conversion of the keys. ``q . k ~= s_q x s_k x (q8 . k8)``;
+        each factor's rounding error is at most half a step (1/254 of its absmax), which the
+        exact re-ranking of the best ``rerank x k`` absorbs.
 
         Args:
             q: ``[rows, num_q_heads, head_dim]``.
-            slots, ok: ``[rows, num_kv_heads, n]`` host slots and which are candidates.
+            rows: the rows' candidates (:attr:`RowBlocks.tokens`, :attr:`RowBlocks.runs`).
 
         Returns:
-            ``[rows, num_kv_heads, group, n]`` float32, ``-inf`` where not ``ok``. The product
-            ``q . q8`` runs in :attr:`compute_dtype` (bf16 for a bf16 tier: its output carries
-            bf16's 8-bit mantissa, enough to choose the candidates the exact keys re-rank).
+            ``[rows, num_kv_heads, group, P]`` float32, ``-inf`` where not a candidate.
         """
-        r, hkv, n = slots.shape
-        hq, d = q.shape[1], q.shape[2]
-        flat = (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten().to(self.device)
-        keys = self.q8[layer].reshape(-1, d).index_select(0, flat).view(r, hkv, n, d)
-        s = self.scale[layer].reshape(-1).index_select(0, flat).view(r, hkv, 1, n)
-        dt = self.compute_dtype
-        qg = q.to(self.device, dt).view(r, hkv, hq // hkv, d)
-        out = torch.matmul(qg, keys.to(dt).transpose(2, 3)).float().mul_(s).mul_(scale).cpu()
-        return out.masked_fill_(~ok[:, :, None, :], float("-inf"))
+        slots, ok = rows.tokens
+        r, p = slots.shape
+        _, _, hkv, d = self.q8.shape
+        g = q.shape[1] // hkv
+        qf = q.to(self.device, torch.float32).view(r, hkv, g, d)
+        qs = qf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)  # [R, Hkv, G, 1]
+        w = block_diagonal(qf.div(qs).round_().to(torch.int8))
+        prod = token_products(self.q8[layer].view(-1, hkv * d), rows, w, int8_matmul, torch.int32)
+        out = prod.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format).view(r, hkv, g, p)
+        ks = self.scale[layer].index_select(0, slots.flatten().to(self.device)).view(r, p, hkv)
+        out.mul_(ks.transpose(1, 2).unsqueeze(2)).mul_(qs.mul_(scale))
+        return out.masked_fill_(~ok.to(self.device).view(r, 1, 1, p), float("-inf")).cpu()
 
 
 @dataclass(frozen=True)
@@ -207,6 +226,38 @@ class RowBlocks:
         """The same for a subset of rows (``[n]`` int64 row indices)."""
         t = (self.blocks, self.pos0, self.valid, self.cand, self.n_valid)
         return RowBlocks(*(x[rows] for x in t), self.holes)
+
+    @cached_property
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position of every candidate block, head-independent, built once and read by all layers.
+
+        Returns ``(slots, ok)``, each ``[rows, P]`` (``P = 16 x blocks``): the host slot of position
+        ``p`` of the row (int64; 0 past the row's blocks) and whether it is a candidate (bool).
+        Position ``p`` sits at index ``p``.
+        """
+        n, nb = self.blocks.shape
+        slots = (self.blocks.unsqueeze(2) * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).view(n, nb * BLOCK_TOKENS)
+        return slots, self.cand[:, : nb * BLOCK_TOKENS]
+
+    @cached_property
+    def runs(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per row, its positions from the first to the last candidate as maximal runs ``(p0, p1, s0)``:
+        positions ``[p0, p1)`` lie in host slots ``[s0, s0 + p1 - p0)``. The host tier allocates
+        whole pages and a request's offload takes its pages at once, so a row is one or a few
+        runs, each scored on a view of the tier (:func:`token_products`). Built once per step."""
+        slots, ok = self.tokens
+        out = []
+        for r in range(slots.shape[0]):
+            where = ok[r].nonzero().flatten()
+            if not where.numel():
+                out.append(())
+                continue
+            first, last = int(where[0]), int(where[-1]) + 1
+            s = slots[r, first:last]
+            cut = ((s[1:] - s[:-1]) != 1).nonzero().flatten().add_(1).tolist()
+            starts, ends = [0, *cut], [*cut, last - first]
+            out.append(tuple((first + a, first + b, int(s[a])) for a, b in zip(starts, ends, strict=True)))
+        return tuple(out)
 
 
 def row_blocks(host_slots: list[torch.Tensor], lo: list[int], hi: list[int], keep: list[torch.Tensor]) -> RowBlocks:
@@ -290,6 +341,98 @@ def block_tokens(rows: RowBlocks, chosen: torch.Tensor) -> tuple[torch.Tensor, t
     return pos, slots, ok
 
 
+def block_diagonal(q: torch.Tensor) -> torch.Tensor:
+    """Per row, the GQA queries as one block-diagonal matrix, so a row's scores are one GEMM.
+
+    Args:
+        q: ``[rows, num_kv_heads, group, head_dim]``.
+
+    Returns:
+        ``[rows, num_kv_heads x head_dim, num_kv_heads x group]`` of ``q``'s dtype: block ``h``
+        (rows ``[h D, (h+1) D)``, columns ``[h G, (h+1) G)``) is ``q[:, h]`` transposed, the rest 0.
+        ``keys [P, Hkv x D] @ W`` then gives every query head's logit for every token, each key
+        read once, in place, in the host tier's token-major layout (``Hkv - 1`` of every
+        ``Hkv`` products are zeros: compute is not what this costs on a CPU, reading keys is).
+    """
+    r, hkv, g, d = q.shape
+    w = q.new_zeros(r, hkv, d, hkv, g)
+    for h in range(hkv):
+        w[:, h, :, h, :] = q[:, h].transpose(1, 2)
+    return w.view(r, hkv * d, hkv * g)
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` of int8 matrices, exact: ``[M, K] x [K, N] -> [M, N]`` int32 (``out`` contiguous).
+
+    ``torch._int_mm`` (PyTorch's int8 GEMM: VNNI / AMX-INT8 on a CPU that has them); where it
+    refuses a shape or device, the same product in float32, exact for ``K <= 1024`` (every
+    partial sum below ``2^24``).
+    """
+    try:
+        torch._int_mm(a, b, out=out)
+    except RuntimeError:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
+def token_products(flat: torch.Tensor, rows: RowBlocks, w: torch.Tensor, mm, dtype: torch.dtype) -> torch.Tensor:
+    """``keys @ w`` for every position of every row, each key row read where it lies.
+
+    Args:
+        flat: ``[host_slots, Hkv x D]``: one layer's keys (or int8 index), one row per slot.
+        rows: candidates; each run of consecutive slots (:attr:`RowBlocks.runs`) is one GEMM on a
+            view of ``flat`` (no gather), a row of more than :data:`MAX_RUNS` runs one gather.
+        w: ``[rows, Hkv x D, N]`` (:func:`block_diagonal`); ``mm``: the GEMM ``(a, b, out)``, writing
+            ``a @ b`` into ``out``.
+
+    Returns:
+        ``[rows, P, N]`` of ``dtype``; 0 at positions outside every run (never candidates).
+    """
+    slots, _ = rows.tokens
+    out = torch.zeros(slots.shape[0], slots.shape[1], w.shape[2], dtype=dtype)
+    for i, runs in enumerate(rows.runs):
+        if len(runs) > MAX_RUNS:
+            mm(flat.index_select(0, slots[i].to(flat.device)), w[i], out[i])
+            continue
+        for p0, p1, s0 in runs:
+            mm(flat[s0 : s0 + p1 - p0], w[i], out[i, p0:p1])
+    return out
+
+
+def _float_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mm(a.float(), b, out=out)
+
+
+def candidate_logits(q: torch.Tensor, host_k: torch.Tensor, rows: RowBlocks, scale: float) -> torch.Tensor:
+    """Exact float32 logits ``scale x q . k`` of every candidate token of every row, all KV heads at once.
+
+    The reference scoring of ``oracle`` / ``spec_host_exact`` / ``recency`` and of the hit-rate
+    measurement: every KV head of a slot is one contiguous ``Hkv x D`` row of the layer-first
+    tier, read in place (:func:`token_products`), one GEMM per run of slots.
+
+    Args:
+        q: ``[rows, num_q_heads, head_dim]``.
+        host_k: one layer's host keys, ``[host_slots, num_kv_heads, head_dim]``.
+        rows: the rows' candidates.
+
+    Returns:
+        ``[rows, num_kv_heads, group, P]`` float32, ``-inf`` where not a candidate.
+    """
+    slots, ok = rows.tokens
+    r, p = slots.shape
+    _, hkv, d = host_k.shape
+    w = block_diagonal(q.float().view(r, hkv, q.shape[1] // hkv, d))
+    prod = token_products(host_k.reshape(-1, hkv * d), rows, w, _float_mm, torch.float32)
+    out = prod.transpose(1, 2).contiguous().view(r, hkv, -1, p).mul_(scale)
+    return out.masked_fill_(~ok.view(r, 1, 1, p), float("-inf"))
+
+
+def gqa_log_scores(logits: torch.Tensor) -> torch.Tensor:
+    """``[rows, Hkv, G, P]`` logits -> ``[rows, Hkv, P]``: per KV head, the max over its query heads
+    of the log-softmax over the row's tokens (DESIGN.md: a KV head's score is the max of its
+    query heads' probabilities)."""
+    return logits.log_softmax(dim=-1).amax(dim=2)
+
+
 def token_logits(
     q: torch.Tensor, host_k: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -322,9 +465,3 @@ def token_log_scores(
     log-probabilities, ``-inf`` where not ``ok``.
     """
     return token_logits(q, host_k, slots, ok, scale).log_softmax(dim=-1).amax(dim=2)
-
-
-def all_blocks(rows: RowBlocks, num_kv_heads: int) -> torch.Tensor:
-    """``[rows, num_kv_heads, B]``: every block, in position order (exact scoring)."""
-    n, nb = rows.blocks.shape
-    return torch.arange(nb).expand(n, num_kv_heads, nb)

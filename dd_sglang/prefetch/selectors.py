@@ -29,7 +29,7 @@ Policies:
   candidate key in the host tier, one step ahead: the reference the default
   is measured against.
 * ``spec_host`` (default): the speculated token's query scores every host-tier
-  candidate with the int8 key index (:class:`~dd_sglang.prefetch.index.QuantKeyIndex`,
+  candidate int8 x int8 with the int8 key index (:class:`~dd_sglang.prefetch.index.QuantKeyIndex`,
   host memory) and re-ranks the best ``rerank x k`` with the exact keys. No
   device state.
 * ``quest_device``: Quest with the current query: block summaries kept on the
@@ -48,10 +48,10 @@ from dd_sglang.prefetch.index import (
     KeyBlockIndex,
     QuantKeyIndex,
     RowBlocks,
-    all_blocks,
     block_scores,
     block_tokens,
-    token_log_scores,
+    candidate_logits,
+    gqa_log_scores,
     token_logits,
 )
 
@@ -78,6 +78,16 @@ def gqa_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
     logits = torch.einsum("hgd,nhd->hgn", query.float().view(hkv, hq // hkv, d), keys.float()) * scale
     return torch.softmax(logits, dim=-1).amax(dim=1)
+
+
+def _all_candidates(q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, scale: float):
+    """Exact scores of every candidate: ``(positions, slots, score)``, each ``[rows, Hkv, P]`` (the
+    positions and slots are head-independent, expanded views)."""
+    slots, _ = rows.tokens
+    score = gqa_log_scores(candidate_logits(q, host_k, rows, scale))
+    r, hkv, p = score.shape
+    pos = torch.arange(p).expand(r, hkv, p)
+    return pos, slots.unsqueeze(1).expand(r, hkv, p), score
 
 
 class Selector:
@@ -130,8 +140,7 @@ class OracleSelector(Selector):
     name = "oracle"
 
     def score(self, q, rows, host_k, k, scale, index, layer):
-        pos, slots, ok = block_tokens(rows, all_blocks(rows, host_k.shape[1]))
-        return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
+        return _all_candidates(q, rows, host_k, scale)
 
 
 class RecencySelector(OracleSelector):
@@ -155,14 +164,15 @@ class SpecHostExactSelector(OracleSelector):
 class SpecHostSelector(Selector):
     """The speculated token's query over the host tier's int8 key index, then exact re-ranking (the default).
 
-    Every candidate is scored with the int8 keys
-    (:meth:`~dd_sglang.prefetch.index.QuantKeyIndex.logits`); the ``m = ceil(rerank x k)``
-    best, by the max over the GQA group of the approximate softmax probability, are read
-    from the host tier and scored exactly; the top-k of those is the set. The softmax
-    normaliser of every query head is the approximate one over all candidates, so the
-    exact re-ranked scores compare across the group as the exact selector's do. Key bytes
-    read per layer and KV head: ``n x (head_dim + 4)`` int8 and scales plus ``m`` exact
-    keys, instead of ``n`` exact keys. The index lives in host memory: no device bytes.
+    Every candidate is scored int8 x int8 (the query heads quantised like the keys:
+    :meth:`~dd_sglang.prefetch.index.QuantKeyIndex.candidate_logits`, one GEMM per run of
+    host slots, every KV head at once); the ``m = ceil(rerank x k)`` best per KV head, by the
+    max over the GQA group of the approximate softmax probability, are read from the host
+    tier and scored exactly; the top-k of those is the set. Each query head's softmax
+    normaliser is exact over those ``m`` tokens and approximate over the rest, so the exact
+    re-ranked scores compare across the group as the exact selector's do. Key bytes read
+    per layer: ``n x Hkv x (head_dim + 4)`` int8 and scales plus ``m`` exact keys per KV
+    head, instead of ``n x Hkv`` exact keys. The index lives in host memory: no device bytes.
 
     Args:
         rerank: ``rerank x k`` tokens are re-ranked exactly (>= 1).
@@ -182,15 +192,22 @@ class SpecHostSelector(Selector):
         self.rerank = rerank
 
     def score(self, q, rows, host_k, k, scale, index, layer):
-        pos, slots, ok = block_tokens(rows, all_blocks(rows, host_k.shape[1]))
+        slots, ok = rows.tokens
         m = int(-(-self.rerank * k // 1))
         if m >= slots.shape[-1]:
-            return pos, slots, token_log_scores(q, host_k, slots, ok, scale)
-        approx = index.logits(q, layer, slots, ok, scale)  # [R, Hkv, group, n]
+            return _all_candidates(q, rows, host_k, scale)
+        approx = index.candidate_logits(q, layer, rows, scale)  # [R, Hkv, group, P]
+        r, hkv, g, _ = approx.shape
         z = torch.logsumexp(approx, dim=-1, keepdim=True)
-        best = (approx - z).amax(dim=2).topk(m, dim=-1, sorted=False).indices  # re-ranked below: any order
-        pos, slots, ok = pos.gather(-1, best), slots.gather(-1, best), ok.gather(-1, best)
-        exact = token_logits(q, host_k, slots, ok, scale)
+        pos = (approx - z).amax(dim=2).topk(m, dim=-1, sorted=False).indices  # re-ranked below: any order
+        slots = slots.gather(1, pos.view(r, -1)).view(r, hkv, m)  # index = position
+        ok = ok.gather(1, pos.view(r, -1)).view(r, hkv, m)
+        exact = token_logits(q, host_k, slots, ok, scale)  # [R, Hkv, group, m]
+        # Each query head's softmax normaliser: exact over the re-ranked tokens (most of the mass),
+        # approximate over the rest, so heads of a group compare as under exact scoring.
+        taken = (approx.gather(-1, pos.unsqueeze(2).expand(r, hkv, g, m)) - z).exp_().sum(-1, keepdim=True)
+        rest = z + torch.log1p(-taken.clamp_(max=1.0))  # approximate lse over the tokens not re-ranked
+        z = torch.logaddexp(torch.logsumexp(exact, dim=-1, keepdim=True), rest)
         return pos, slots, (exact - z).amax(dim=2)
 
 
