@@ -250,8 +250,13 @@ def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query(
                                        atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("select", ["inline", "worker"])  # after the last layer, all at once / per layer
-def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select):
+@pytest.mark.parametrize("select,chunk", [("inline", 10), ("inline", 1), ("worker", 10)])
+def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select, chunk, monkeypatch):
+    """Inline, the next step's sets are chosen in chunks of layers (all at once, one at a time); on
+    the worker, per layer: every way gives each layer the set its own speculated query chose."""
+    from dd_sglang.prefetch import runner
+
+    monkeypatch.setattr(runner, "SELECT_CHUNK_LAYERS", chunk)
     h = Harness(PrefetchParams(hit_rate_sample=0.0, select=select), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen

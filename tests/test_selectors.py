@@ -154,7 +154,7 @@ def test_spec_host_int8_logits_are_the_quantised_product_and_keep_the_exact_top_
     idx = QuantKeyIndex(host_k)
     idx.update(slots[0], 0, 1200)
     q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3))
-    got = idx.candidate_logits(q, 0, rows, SCALE)  # [1, Hkv, G, P]
+    got = idx.candidate_logits(q[None], slice(0, 1), rows, SCALE)[0]  # [1, Hkv, G, P]
     p = got.shape[-1]
     qg = q.view(1, HKV, HQ // HKV, D)
     sq = qg.abs().amax(-1, keepdim=True) / 127
@@ -187,13 +187,33 @@ def test_runs_follow_consecutive_slots_and_score_like_a_gather(monkeypatch):
         cuts = [p for p in range(5, hi) if int(slots[r][p]) != int(slots[r][p - 1]) + 1]
         assert [p0 for p0, _, _ in runs[1:]] == cuts and len(runs) == len(cuts) + 1
     q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(5))
-    in_place = index_mod.candidate_logits(q, host_k[1], rows, SCALE)
+    in_place = index_mod.candidate_logits(q[None], host_k[1:2], rows, SCALE)[0]
     monkeypatch.setattr(index_mod, "MAX_RUNS", 0)
-    gathered = index_mod.candidate_logits(q, host_k[1], rows.take(torch.arange(2)), SCALE)
+    gathered = index_mod.candidate_logits(q[None], host_k[1:2], rows.take(torch.arange(2)), SCALE)[0]
     assert torch.equal(in_place.isinf(), gathered.isinf())
     torch.testing.assert_close(in_place, gathered)
     by_hand = torch.einsum("hgd,phd->hgp", q[0].view(HKV, -1, D), host_k[1][slots[0][:260]]) * SCALE
     torch.testing.assert_close(in_place[0, :, :, 4:260], by_hand[:, :, 4:])
+
+
+@pytest.mark.parametrize("name", ["spec_host", "spec_host_exact", "oracle", "quest_device"])
+def test_selecting_every_layer_in_one_call_equals_one_call_per_layer(name):
+    """``select_layers`` over every layer (the CPU's end-of-step selection) returns, layer by layer,
+    the sets ``select`` returns for that layer alone."""
+    host_k, slots, rows, _ = _rows([700, 420], [650, 400], seed=9)
+    sel = make_selector(name)
+    idx = None
+    if sel.index_location:
+        idx = (QuantKeyIndex if name == "spec_host" else KeyBlockIndex)(host_k)
+        for sl, n in zip(slots, [700, 420], strict=True):
+            idx.update(sl, 0, n)
+    q = torch.randn(LAYERS, 2, HQ, D, generator=torch.Generator().manual_seed(10))
+    pos, sl = sel.select_layers(q, rows, host_k, 24, SCALE, idx, slice(0, LAYERS))
+    assert pos.shape == sl.shape == (LAYERS, 2, HKV, 24)
+    for layer in range(LAYERS):
+        p1, s1 = sel.select(q[layer], rows, host_k[layer], 24, SCALE, idx, layer)
+        assert torch.equal(pos[layer].sort(-1).values, p1.sort(-1).values)
+        assert torch.equal(sl[layer].sort(-1).values, s1.sort(-1).values)
 
 
 def test_spec_host_finds_tokens_aligned_with_the_query():

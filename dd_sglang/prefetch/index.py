@@ -169,8 +169,8 @@ class QuantKeyIndex:
             self.q8[layer, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
             self.scale[layer, dst] = s.to(self.device)
 
-    def candidate_logits(self, q: torch.Tensor, layer: int, rows: RowBlocks, scale: float) -> torch.Tensor:
-        """Approximate logits of every candidate token of every row, int8 x int8.
+    def candidate_logits(self, q: torch.Tensor, layers: slice, rows: RowBlocks, scale: float) -> torch.Tensor:
+        """Approximate logits of every candidate token of every row, int8 x int8, ``L`` layers at once.
 
         The queries are quantised too (one absmax scale per query head, as the keys per token
         and KV head), so the product is an int8 GEMM (:func:`int8_matmul`) over whole int8
@@ -180,24 +180,27 @@ class QuantKeyIndex:
         exact re-ranking of the best ``rerank x k`` absorbs.
 
         Args:
-            q: ``[rows, num_q_heads, head_dim]``.
+            q: ``[L, rows, num_q_heads, head_dim]``.
+            layers: the ``L`` consecutive layers (``slice(l0, l0 + L)``).
             rows: the rows' candidates (:attr:`RowBlocks.tokens`, :attr:`RowBlocks.runs`).
 
         Returns:
-            ``[rows, num_kv_heads, group, P]`` float32, ``-inf`` where not a candidate.
+            ``[L, rows, num_kv_heads, group, P]`` float32, ``-inf`` where not a candidate.
         """
         slots, ok = rows.tokens
         r, p = slots.shape
         _, _, hkv, d = self.q8.shape
-        g = q.shape[1] // hkv
-        qf = q.to(self.device, torch.float32).view(r, hkv, g, d)
-        qs = qf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)  # [R, Hkv, G, 1]
+        n_layers, g = q.shape[0], q.shape[2] // hkv
+        qf = q.to(self.device, torch.float32).view(n_layers, r, hkv, g, d)
+        qs = qf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)  # [L, R, Hkv, G, 1]
         w = block_diagonal(qf.div(qs).round_().to(torch.int8))
-        prod = token_products(self.q8[layer].view(-1, hkv * d), rows, w, int8_matmul, torch.int32)
-        out = prod.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format).view(r, hkv, g, p)
-        ks = self.scale[layer].index_select(0, slots.flatten().to(self.device)).view(r, p, hkv)
-        out.mul_(ks.transpose(1, 2).unsqueeze(2)).mul_(qs.mul_(scale))
-        return out.masked_fill_(~ok.to(self.device).view(r, 1, 1, p), float("-inf")).cpu()
+        q8 = self.q8[layers].view(n_layers, -1, hkv * d)
+        prod = token_products(q8, rows, w, int8_matmul, torch.int32)  # [L, R, P, Hkv x G]
+        out = prod.transpose(2, 3).to(torch.float32, memory_format=torch.contiguous_format)
+        out = out.view(n_layers, r, hkv, g, p)
+        ks = self.scale[layers].index_select(1, slots.flatten().to(self.device)).view(n_layers, r, p, hkv)
+        out.mul_(ks.transpose(2, 3).unsqueeze(3)).mul_(qs.mul_(scale))
+        return out.masked_fill_(~ok.to(self.device).view(1, r, 1, 1, p), float("-inf")).cpu()
 
 
 @dataclass(frozen=True)
@@ -342,101 +345,128 @@ def block_tokens(rows: RowBlocks, chosen: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def block_diagonal(q: torch.Tensor) -> torch.Tensor:
-    """Per row, the GQA queries as one block-diagonal matrix, so a row's scores are one GEMM.
+    """The GQA queries of a row as one block-diagonal matrix, so a row's scores are one GEMM.
 
     Args:
-        q: ``[rows, num_kv_heads, group, head_dim]``.
+        q: ``[..., num_kv_heads, group, head_dim]`` (leading dims: layers, rows).
 
     Returns:
-        ``[rows, num_kv_heads x head_dim, num_kv_heads x group]`` of ``q``'s dtype: block ``h``
-        (rows ``[h D, (h+1) D)``, columns ``[h G, (h+1) G)``) is ``q[:, h]`` transposed, the rest 0.
-        ``keys [P, Hkv x D] @ W`` then gives every query head's logit for every token, each key
-        read once, in place, in the host tier's token-major layout (``Hkv - 1`` of every
-        ``Hkv`` products are zeros: compute is not what this costs on a CPU, reading keys is).
+        ``[..., num_kv_heads x head_dim, num_kv_heads x group]`` of ``q``'s dtype: block ``h``
+        (rows ``[h D, (h+1) D)``, columns ``[h G, (h+1) G)``) is ``q[..., h, :, :]`` transposed,
+        the rest 0. ``keys [P, Hkv x D] @ W`` then gives every query head's logit for every
+        token, each key read once, in place, in the host tier's token-major layout (``Hkv - 1``
+        of every ``Hkv`` products are zeros: compute is not what this costs on a CPU, reading
+        keys and dispatching small operations is).
     """
-    r, hkv, g, d = q.shape
-    w = q.new_zeros(r, hkv, d, hkv, g)
+    *lead, hkv, g, d = q.shape
+    w = q.new_zeros(*lead, hkv, d, hkv, g)
     for h in range(hkv):
-        w[:, h, :, h, :] = q[:, h].transpose(1, 2)
-    return w.view(r, hkv * d, hkv * g)
+        w[..., h, :, h, :] = q[..., h, :, :].transpose(-1, -2)
+    return w.view(*lead, hkv * d, hkv * g)
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` of int8 matrices, exact: ``[M, K] x [K, N] -> [M, N]`` int32 (``out`` contiguous).
+    """``out = a @ b`` of int8 matrices, exact, int32, per layer: ``[L, M, K] x [L, K, N] -> [L, M, N]``.
 
-    ``torch._int_mm`` (PyTorch's int8 GEMM: VNNI / AMX-INT8 on a CPU that has them); where it
-    refuses a shape or device, the same product in float32, exact for ``K <= 1024`` (every
-    partial sum below ``2^24``).
+    ``torch._int_mm`` (PyTorch's int8 GEMM: VNNI / AMX-INT8 on a CPU that has them) for each
+    layer, into ``out[l]`` (contiguous); where it refuses a shape or device, the same product
+    in float32, exact for ``K <= 1024`` (every partial sum below ``2^24``).
     """
     try:
-        torch._int_mm(a, b, out=out)
+        for layer in range(a.shape[0]):
+            torch._int_mm(a[layer], b[layer], out=out[layer])
     except RuntimeError:
-        out.copy_(torch.mm(a.float(), b.float()))
-
-
-def token_products(flat: torch.Tensor, rows: RowBlocks, w: torch.Tensor, mm, dtype: torch.dtype) -> torch.Tensor:
-    """``keys @ w`` for every position of every row, each key row read where it lies.
-
-    Args:
-        flat: ``[host_slots, Hkv x D]``: one layer's keys (or int8 index), one row per slot.
-        rows: candidates; each run of consecutive slots (:attr:`RowBlocks.runs`) is one GEMM on a
-            view of ``flat`` (no gather), a row of more than :data:`MAX_RUNS` runs one gather.
-        w: ``[rows, Hkv x D, N]`` (:func:`block_diagonal`); ``mm``: the GEMM ``(a, b, out)``, writing
-            ``a @ b`` into ``out``.
-
-    Returns:
-        ``[rows, P, N]`` of ``dtype``; 0 at positions outside every run (never candidates).
-    """
-    slots, _ = rows.tokens
-    out = torch.zeros(slots.shape[0], slots.shape[1], w.shape[2], dtype=dtype)
-    for i, runs in enumerate(rows.runs):
-        if len(runs) > MAX_RUNS:
-            mm(flat.index_select(0, slots[i].to(flat.device)), w[i], out[i])
-            continue
-        for p0, p1, s0 in runs:
-            mm(flat[s0 : s0 + p1 - p0], w[i], out[i, p0:p1])
-    return out
+        out.copy_(torch.bmm(a.float(), b.float()))
 
 
 def _float_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    torch.mm(a.float(), b, out=out)
+    out.copy_(torch.bmm(a.float(), b))
+
+
+def token_products(flat: torch.Tensor, rows: RowBlocks, w: torch.Tensor, mm, dtype: torch.dtype) -> torch.Tensor:
+    """``keys @ w`` for every position of every row and layer, each key row read where it lies.
+
+    Args:
+        flat: ``[L, host_slots, Hkv x D]``: ``L`` layers' keys (or int8 index), one row per slot.
+        rows: candidates; each run of consecutive slots (:attr:`RowBlocks.runs`) is one GEMM per
+            layer on a view of ``flat`` (no gather), a row of more than :data:`MAX_RUNS` runs one
+            gather.
+        w: ``[L, rows, Hkv x D, N]`` (:func:`block_diagonal`); ``mm``: the batched GEMM
+            ``(a [L, n, K], b [L, K, N], out [L, n, N])`` writing ``a @ b`` into ``out``.
+
+    Returns:
+        ``[L, rows, P, N]`` of ``dtype``; 0 at positions outside every run (never candidates).
+    """
+    slots, _ = rows.tokens
+    out = torch.zeros(w.shape[0], slots.shape[0], slots.shape[1], w.shape[3], dtype=dtype)
+    for i, runs in enumerate(rows.runs):
+        if len(runs) > MAX_RUNS:
+            mm(flat.index_select(1, slots[i].to(flat.device)), w[:, i], out[:, i])
+            continue
+        for p0, p1, s0 in runs:
+            mm(flat[:, s0 : s0 + p1 - p0], w[:, i], out[:, i, p0:p1])
+    return out
 
 
 def candidate_logits(q: torch.Tensor, host_k: torch.Tensor, rows: RowBlocks, scale: float) -> torch.Tensor:
-    """Exact float32 logits ``scale x q . k`` of every candidate token of every row, all KV heads at once.
+    """Exact float32 logits ``scale x q . k`` of every candidate token of every row and layer.
 
     The reference scoring of ``oracle`` / ``spec_host_exact`` / ``recency`` and of the hit-rate
     measurement: every KV head of a slot is one contiguous ``Hkv x D`` row of the layer-first
-    tier, read in place (:func:`token_products`), one GEMM per run of slots.
+    tier, read in place (:func:`token_products`), one GEMM per run of slots, all KV heads and
+    layers at once.
 
     Args:
-        q: ``[rows, num_q_heads, head_dim]``.
-        host_k: one layer's host keys, ``[host_slots, num_kv_heads, head_dim]``.
+        q: ``[L, rows, num_q_heads, head_dim]``.
+        host_k: the ``L`` layers' host keys, ``[L, host_slots, num_kv_heads, head_dim]``.
         rows: the rows' candidates.
 
     Returns:
-        ``[rows, num_kv_heads, group, P]`` float32, ``-inf`` where not a candidate.
+        ``[L, rows, num_kv_heads, group, P]`` float32, ``-inf`` where not a candidate.
     """
     slots, ok = rows.tokens
     r, p = slots.shape
-    _, hkv, d = host_k.shape
-    w = block_diagonal(q.float().view(r, hkv, q.shape[1] // hkv, d))
-    prod = token_products(host_k.reshape(-1, hkv * d), rows, w, _float_mm, torch.float32)
-    out = prod.transpose(1, 2).contiguous().view(r, hkv, -1, p).mul_(scale)
-    return out.masked_fill_(~ok.view(r, 1, 1, p), float("-inf"))
+    n_layers, _, hkv, d = host_k.shape
+    w = block_diagonal(q.float().view(n_layers, r, hkv, q.shape[2] // hkv, d))
+    prod = token_products(host_k.reshape(n_layers, -1, hkv * d), rows, w, _float_mm, torch.float32)
+    out = prod.transpose(2, 3).contiguous().view(n_layers, r, hkv, -1, p).mul_(scale)
+    return out.masked_fill_(~ok.view(1, r, 1, 1, p), float("-inf"))
 
 
 def gqa_log_scores(logits: torch.Tensor) -> torch.Tensor:
-    """``[rows, Hkv, G, P]`` logits -> ``[rows, Hkv, P]``: per KV head, the max over its query heads
+    """``[..., Hkv, G, P]`` logits -> ``[..., Hkv, P]``: per KV head, the max over its query heads
     of the log-softmax over the row's tokens (DESIGN.md: a KV head's score is the max of its
     query heads' probabilities)."""
-    return logits.log_softmax(dim=-1).amax(dim=2)
+    return logits.log_softmax(dim=-1).amax(dim=-2)
+
+
+def layer_token_logits(
+    q: torch.Tensor, host_k: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact scaled logits ``scale x q . k`` of the given tokens per query head, ``L`` layers at once.
+
+    Args:
+        q: ``[L, rows, num_q_heads, head_dim]``.
+        host_k: ``[L, host_slots, num_kv_heads, head_dim]`` (contiguous: a slice of the tier).
+        slots, ok: ``[L, rows, num_kv_heads, n]`` host slots to score and which are candidates.
+
+    Returns:
+        ``[L, rows, num_kv_heads, group, n]`` float32, ``-inf`` where not ``ok``.
+    """
+    n_layers, r, hkv, n = slots.shape
+    hq, d = q.shape[2], q.shape[3]
+    base = (torch.arange(n_layers) * host_k.shape[1]).view(n_layers, 1, 1, 1)
+    rows_idx = ((slots + base) * hkv + torch.arange(hkv).view(1, 1, hkv, 1)).flatten()
+    keys = host_k.reshape(-1, d).index_select(0, rows_idx).view(n_layers, r, hkv, n, d)
+    qg = q.float().view(n_layers, r, hkv, hq // hkv, d)
+    logits = torch.matmul(qg, keys.float().transpose(-1, -2)).mul_(scale)
+    return logits.masked_fill_(~ok.unsqueeze(-2), float("-inf"))
 
 
 def token_logits(
     q: torch.Tensor, host_k: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Exact scaled logits ``scale x q . k`` of the given tokens, per query head.
+    """Exact scaled logits ``scale x q . k`` of the given tokens, per query head (one layer).
 
     Args:
         q: ``[rows, num_q_heads, head_dim]``.
@@ -446,13 +476,7 @@ def token_logits(
     Returns:
         ``[rows, num_kv_heads, group, n]`` float32, ``-inf`` where not ``ok``.
     """
-    r, hkv, n = slots.shape
-    hq, d = q.shape[1], q.shape[2]
-    rows_idx = (slots * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()
-    keys = host_k.reshape(-1, d).index_select(0, rows_idx).view(r, hkv, n, d)
-    qg = q.float().view(r, hkv, hq // hkv, d)
-    logits = torch.einsum("rhgd,rhnd->rhgn", qg, keys.float()) * scale
-    return logits.masked_fill(~ok[:, :, None, :], float("-inf"))
+    return layer_token_logits(q[None], host_k[None], slots[None], ok[None], scale)[0]
 
 
 def token_log_scores(

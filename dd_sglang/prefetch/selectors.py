@@ -52,7 +52,7 @@ from dd_sglang.prefetch.index import (
     block_tokens,
     candidate_logits,
     gqa_log_scores,
-    token_logits,
+    layer_token_logits,
 )
 
 
@@ -81,17 +81,22 @@ def gqa_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
 
 
 def _all_candidates(q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, scale: float):
-    """Exact scores of every candidate: ``(positions, slots, score)``, each ``[rows, Hkv, P]`` (the
-    positions and slots are head-independent, expanded views)."""
+    """Exact scores of every candidate of ``L`` layers: ``(positions, slots, score)``, each
+    ``[L, rows, Hkv, P]`` (positions and slots are head- and layer-independent, expanded views)."""
     slots, _ = rows.tokens
     score = gqa_log_scores(candidate_logits(q, host_k, rows, scale))
-    r, hkv, p = score.shape
-    pos = torch.arange(p).expand(r, hkv, p)
-    return pos, slots.unsqueeze(1).expand(r, hkv, p), score
+    shape = score.shape
+    pos = torch.arange(shape[-1]).expand(shape)
+    return pos, slots[None, :, None, :].expand(shape), score
 
 
 class Selector:
-    """Base class: :meth:`score` ranks candidate tokens, :meth:`select` takes the top-k.
+    """Base class: :meth:`score_layers` ranks candidate tokens, :meth:`select_layers` takes the top-k.
+
+    Both work on ``L`` consecutive layers at once (a leading ``L`` dimension on the queries,
+    the keys and the result): a CPU runs the next step's selection of every layer in one call
+    at the end of a step, where per-layer calls would pay each small operation's dispatch 30
+    times. :meth:`score` / :meth:`select` are the one-layer forms.
 
     Class attributes:
         name: preset / ``custom_params.dd_selector`` name.
@@ -108,19 +113,36 @@ class Selector:
     uses_speculator = False
     index_location: str | None = None
 
+    def score_layers(
+        self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
+        index: KeyBlockIndex | QuantKeyIndex | None, layers: slice,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Candidate tokens and their scores for layers ``layers`` (``L`` of them).
+
+        Args:
+            q: ``[L, rows, num_q_heads, head_dim]``; host_k: ``[L, host_slots, num_kv_heads, head_dim]``.
+
+        Returns:
+            ``(positions, slots, score)``, each ``[L, rows, num_kv_heads, n]`` (score float32,
+            ``-inf`` for non-candidates).
+        """
+        raise NotImplementedError
+
     def score(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
         index: KeyBlockIndex | QuantKeyIndex | None, layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Candidate tokens and their scores: ``(positions, slots, score)``, each
-        ``[rows, num_kv_heads, n]`` (score float32, ``-inf`` for non-candidates)."""
-        raise NotImplementedError
+        """One layer: ``q`` ``[rows, num_q_heads, head_dim]``, ``host_k`` ``[host_slots, Hkv, D]``;
+        :meth:`score_layers` without the layer dimension."""
+        out = self.score_layers(q[None], rows, host_k[None], k, scale, index, slice(layer, layer + 1))
+        return tuple(x[0] for x in out)
 
-    def select(
+    def select_layers(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
-        index: KeyBlockIndex | QuantKeyIndex | None = None, layer: int = 0,
+        index: KeyBlockIndex | QuantKeyIndex | None, layers: slice,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The ``k`` best candidates per row and KV head (module docstring).
+        """The ``k`` best candidates per layer, row and KV head: ``(positions, slots)``, each
+        ``[L, rows, num_kv_heads, k]`` int64, best first (arguments as :meth:`score_layers`).
 
         Raises:
             ValueError: ``k < 1``, or the selector needs an index and got none.
@@ -129,9 +151,21 @@ class Selector:
             raise ValueError(f"k must be >= 1, got {k}")
         if self.index_location is not None and index is None:
             raise ValueError(f"selector {self.name} needs an index ({self.index_location})")
-        pos, slots, score = self.score(q, rows, host_k, k, scale, index, layer)
+        pos, slots, score = self.score_layers(q, rows, host_k, k, scale, index, layers)
         top = score.topk(k, dim=-1).indices
         return pos.gather(-1, top), slots.gather(-1, top)
+
+    def select(
+        self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
+        index: KeyBlockIndex | QuantKeyIndex | None = None, layer: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The ``k`` best candidates per row and KV head of one layer (module docstring).
+
+        Raises:
+            ValueError: ``k < 1``, or the selector needs an index and got none.
+        """
+        pos, slots = self.select_layers(q[None], rows, host_k[None], k, scale, index, slice(layer, layer + 1))
+        return pos[0], slots[0]
 
 
 class OracleSelector(Selector):
@@ -139,7 +173,7 @@ class OracleSelector(Selector):
 
     name = "oracle"
 
-    def score(self, q, rows, host_k, k, scale, index, layer):
+    def score_layers(self, q, rows, host_k, k, scale, index, layers):
         return _all_candidates(q, rows, host_k, scale)
 
 
@@ -191,24 +225,24 @@ class SpecHostSelector(Selector):
             raise ValueError(f"prefetch.rerank must be >= 1, got {rerank}")
         self.rerank = rerank
 
-    def score(self, q, rows, host_k, k, scale, index, layer):
+    def score_layers(self, q, rows, host_k, k, scale, index, layers):
         slots, ok = rows.tokens
         m = int(-(-self.rerank * k // 1))
         if m >= slots.shape[-1]:
             return _all_candidates(q, rows, host_k, scale)
-        approx = index.candidate_logits(q, layer, rows, scale)  # [R, Hkv, group, P]
-        r, hkv, g, _ = approx.shape
+        approx = index.candidate_logits(q, layers, rows, scale)  # [L, R, Hkv, group, P]
+        nl, r, hkv, g, p = approx.shape
         z = torch.logsumexp(approx, dim=-1, keepdim=True)
-        pos = (approx - z).amax(dim=2).topk(m, dim=-1, sorted=False).indices  # re-ranked below: any order
-        slots = slots.gather(1, pos.view(r, -1)).view(r, hkv, m)  # index = position
-        ok = ok.gather(1, pos.view(r, -1)).view(r, hkv, m)
-        exact = token_logits(q, host_k, slots, ok, scale)  # [R, Hkv, group, m]
+        pos = (approx - z).amax(dim=3).topk(m, dim=-1, sorted=False).indices  # re-ranked below: any order
+        slots = slots[None, :, None, :].expand(nl, r, hkv, p).gather(-1, pos)  # index = position
+        ok = ok[None, :, None, :].expand(nl, r, hkv, p).gather(-1, pos)
+        exact = layer_token_logits(q, host_k, slots, ok, scale)  # [L, R, Hkv, group, m]
         # Each query head's softmax normaliser: exact over the re-ranked tokens (most of the mass),
         # approximate over the rest, so heads of a group compare as under exact scoring.
-        taken = (approx.gather(-1, pos.unsqueeze(2).expand(r, hkv, g, m)) - z).exp_().sum(-1, keepdim=True)
+        taken = (approx.gather(-1, pos.unsqueeze(3).expand(nl, r, hkv, g, m)) - z).exp_().sum(-1, keepdim=True)
         rest = z + torch.log1p(-taken.clamp_(max=1.0))  # approximate lse over the tokens not re-ranked
         z = torch.logaddexp(torch.logsumexp(exact, dim=-1, keepdim=True), rest)
-        return pos, slots, (exact - z).amax(dim=2)
+        return pos, slots, (exact - z).amax(dim=3)
 
 
 class QuestDeviceSelector(Selector):
@@ -222,7 +256,12 @@ class QuestDeviceSelector(Selector):
     name = "quest_device"
     index_location = "device"
 
-    def score(self, q, rows, host_k, k, scale, index, layer):
+    def score_layers(self, q, rows, host_k, k, scale, index, layers):
+        out = [self._score_layer(q[i], rows, k, scale, index, layer)
+               for i, layer in enumerate(range(layers.start, layers.stop))]  # fmt: skip
+        return tuple(torch.stack(x) for x in zip(*out, strict=True))
+
+    def _score_layer(self, q, rows, k, scale, index, layer):
         n_blocks = rows.blocks.shape[1]
         m = min(n_blocks, -(-(k + rows.holes) // BLOCK_TOKENS))
         bscore = block_scores(q, rows, index, layer, scale)
