@@ -187,11 +187,17 @@ def test_runs_follow_consecutive_slots_and_score_like_a_gather(monkeypatch):
         cuts = [p for p in range(5, hi) if int(slots[r][p]) != int(slots[r][p - 1]) + 1]
         assert [p0 for p0, _, _ in runs[1:]] == cuts and len(runs) == len(cuts) + 1
     q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(5))
+    idx = QuantKeyIndex(host_k)
+    for sl, n in zip(slots, [300, 180], strict=True):
+        idx.update(sl, 0, n)
     in_place = index_mod.candidate_logits(q[None], host_k[1:2], rows, SCALE)[0]
+    in_place8 = idx.candidate_logits(q[None], slice(1, 2), rows, SCALE)[0]
     monkeypatch.setattr(index_mod, "MAX_RUNS", 0)
-    gathered = index_mod.candidate_logits(q[None], host_k[1:2], rows.take(torch.arange(2)), SCALE)[0]
+    again = rows.take(torch.arange(2))
+    gathered = index_mod.candidate_logits(q[None], host_k[1:2], again, SCALE)[0]
     assert torch.equal(in_place.isinf(), gathered.isinf())
     torch.testing.assert_close(in_place, gathered)
+    assert torch.equal(in_place8, idx.candidate_logits(q[None], slice(1, 2), again, SCALE)[0])
     by_hand = torch.einsum("hgd,phd->hgp", q[0].view(HKV, -1, D), host_k[1][slots[0][:260]]) * SCALE
     torch.testing.assert_close(in_place[0, :, :, 4:260], by_hand[:, :, 4:])
 
