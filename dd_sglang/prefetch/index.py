@@ -379,21 +379,33 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.bmm(a.float(), b.float()))
 
 
+def _row_sources(flat: torch.Tensor, rows: RowBlocks):
+    """Where each row's positions lie in ``flat`` (``[L, host_slots, C]``): yields ``(row, positions,
+    source)``, ``source`` the ``[L, n, C]`` rows of ``flat`` for those ``positions`` (a slice).
+
+    Each run of consecutive slots (:attr:`RowBlocks.runs`) is a view of ``flat`` (no copy); a row
+    of more than :data:`MAX_RUNS` runs is one gather of all its positions (per-run calls would
+    then cost more than the gather's copy).
+    """
+    slots, _ = rows.tokens
+    for i, runs in enumerate(rows.runs):
+        if len(runs) > MAX_RUNS:
+            yield i, slice(None), flat.index_select(1, slots[i].to(flat.device))
+            continue
+        for p0, p1, s0 in runs:
+            yield i, slice(p0, p1), flat[:, s0 : s0 + p1 - p0]
+
+
 def token_rows(flat: torch.Tensor, rows: RowBlocks) -> torch.Tensor:
     """Every position's row of ``flat`` (``[L, host_slots, C]``), copied run by run: ``[L, rows, P, C]``.
 
-    Each run of consecutive slots is one slice copy (a row of more than :data:`MAX_RUNS` runs one
-    gather); positions outside every run are 0. For rows of a few bytes (the int8 index's
-    per-token scales) this beats ``index_select`` along the slot dimension several times over.
+    Positions outside every run are 0. For rows of a few bytes (the int8 index's per-token
+    scales) this beats ``index_select`` along the slot dimension several times over.
     """
     slots, _ = rows.tokens
     out = torch.zeros(flat.shape[0], slots.shape[0], slots.shape[1], flat.shape[2], dtype=flat.dtype)
-    for i, runs in enumerate(rows.runs):
-        if len(runs) > MAX_RUNS:
-            out[:, i] = flat.index_select(1, slots[i].to(flat.device))
-            continue
-        for p0, p1, s0 in runs:
-            out[:, i, p0:p1] = flat[:, s0 : s0 + p1 - p0]
+    for i, pos, src in _row_sources(flat, rows):
+        out[:, i, pos] = src
     return out
 
 
@@ -406,9 +418,8 @@ def token_products(flat: torch.Tensor, rows: RowBlocks, w: torch.Tensor, mm, dty
 
     Args:
         flat: ``[L, host_slots, Hkv x D]``: ``L`` layers' keys (or int8 index), one row per slot.
-        rows: candidates; each run of consecutive slots (:attr:`RowBlocks.runs`) is one GEMM per
-            layer on a view of ``flat`` (no gather), a row of more than :data:`MAX_RUNS` runs one
-            gather.
+        rows: candidates; one GEMM per layer and run of consecutive slots, on a view of ``flat``
+            (:func:`_row_sources`).
         w: ``[L, rows, Hkv x D, N]`` (:func:`block_diagonal`); ``mm``: the batched GEMM
             ``(a [L, n, K], b [L, K, N], out [L, n, N])`` writing ``a @ b`` into ``out``.
 
@@ -417,12 +428,8 @@ def token_products(flat: torch.Tensor, rows: RowBlocks, w: torch.Tensor, mm, dty
     """
     slots, _ = rows.tokens
     out = torch.zeros(w.shape[0], slots.shape[0], slots.shape[1], w.shape[3], dtype=dtype)
-    for i, runs in enumerate(rows.runs):
-        if len(runs) > MAX_RUNS:
-            mm(flat.index_select(1, slots[i].to(flat.device)), w[:, i], out[:, i])
-            continue
-        for p0, p1, s0 in runs:
-            mm(flat[:, s0 : s0 + p1 - p0], w[:, i], out[:, i, p0:p1])
+    for i, pos, src in _row_sources(flat, rows):
+        mm(src, w[:, i], out[:, i, pos])
     return out
 
 

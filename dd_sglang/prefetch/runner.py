@@ -31,9 +31,11 @@ layer's selection queries and, every few layers, chooses the sets of those
 layers in one call per selector (:meth:`Selector.select_layers`): the same
 sets, with each small operation dispatched once per chunk instead of once per
 layer. A chunk holds as many layers as keep the selection's float32 scores
-within :data:`SELECT_CHUNK_BYTES` (measured on 2 cores, SmolLM2, 4k tokens:
-10 layers at batch 1 took half the time of one at a time; all 30 at batch 8
-were slower than one, their temporaries no longer fitting the caches).
+within :data:`SELECT_CHUNK_BYTES`: in ``bench.decode_speed`` on 2 cores (SmolLM2,
+``bench/results/decode_speed_per_layer_select_cpu.json`` against commit
+be9441f's ``decode_speed_cpu.json``) chunks cut the selection from 38 to 18 ms
+per step at 4k x 1 and left it at ~120 ms at 4k x 8, where scores of more
+layers at once no longer fit the caches.
 
 The runner owns the prefetch layer's state: per-request prediction state
 (:class:`~dd_sglang.prefetch.plan.PredictionStore`, released with the request),
@@ -178,6 +180,10 @@ class SparseStepRunner:
             self.indexes[location] = idx
         return idx
 
+    def _index_of(self, selector) -> KeyBlockIndex | QuantKeyIndex | None:
+        """The index ``selector`` reads (created on first use), or None for a selector that reads none."""
+        return self.index(selector.index_location) if selector.index_location else None
+
     def aux_bytes(self) -> dict[str, int]:
         """Device bytes of selection state by selector (``quest_device``'s device index)."""
         dev = self.indexes.get("device")
@@ -295,7 +301,7 @@ class SparseStepRunner:
         self.events.copied(n)
 
     def _sync_select(self, plan, g, layer, q3, scale) -> None:
-        index = self.indexes.get(g.selector.index_location) if g.selector.index_location else None
+        index = self._index_of(g.selector)
         q = _selection_queries(q3, g.query, self.host.k.shape[2]).cpu()
         _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, index, layer)
         self._put(layer, g.rows, slots, plan.n_res)
@@ -340,7 +346,7 @@ class SparseStepRunner:
                     self._select_layers(g, pending, scale)
                     pending.clear()
                 continue
-            index = self.index(g.selector.index_location) if g.selector.index_location else None
+            index = self._index_of(g.selector)
 
             def select(g=g, q=q, index=index) -> None:
                 t0 = time.perf_counter()
@@ -362,7 +368,7 @@ class SparseStepRunner:
         t0 = time.perf_counter()
         l0, l1 = min(queries), max(queries) + 1
         q = torch.stack([queries[layer] for layer in range(l0, l1)])  # [L, rows, Q x Hq, D]
-        index = self.index(g.selector.index_location) if g.selector.index_location else None
+        index = self._index_of(g.selector)
         pos, slots = g.selector.select_layers(q, g.blocks, self.host.k[l0:l1], g.k, scale, index, slice(l0, l1))
         nxt = self.store.next_sets
         for i, layer in enumerate(range(l0, l1)):

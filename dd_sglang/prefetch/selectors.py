@@ -94,9 +94,9 @@ class Selector:
     """Base class: :meth:`score_layers` ranks candidate tokens, :meth:`select_layers` takes the top-k.
 
     Both work on ``L`` consecutive layers at once (a leading ``L`` dimension on the queries,
-    the keys and the result): a CPU runs the next step's selection of every layer in one call
-    at the end of a step, where per-layer calls would pay each small operation's dispatch 30
-    times. :meth:`score` / :meth:`select` are the one-layer forms.
+    the keys and the result): a CPU runs the next step's selection a chunk of layers per call
+    (:mod:`dd_sglang.prefetch.runner`), where per-layer calls would pay each small
+    operation's dispatch once per layer. :meth:`score` / :meth:`select` are the one-layer forms.
 
     Class attributes:
         name: preset / ``custom_params.dd_selector`` name.
