@@ -103,7 +103,7 @@ CONFIGS = {
 }  # fmt: skip
 CAP = 16384
 #: ``--dense full_top_k``: dense answers from the dualdecoder server itself, every candidate attended
-#: (token-identical to dense: tests/test_dualdecoder_e2e.py), so each prompt is prefilled once in the run.
+#: (token-identical to dense: tests/dualdecoder/test_dualdecoder_e2e.py), so each prompt is prefilled once in the run.
 FULL_TOP_K = {"dd_top_k": 1_000_000, "dd_selector": "oracle", "dd_speculator": "none"}
 RETRIEVAL_TOKENS = 12
 STOP = ["\n", "."]

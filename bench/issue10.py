@@ -12,7 +12,7 @@ expedition was called Leopold." at 40%), greedy, 16 tokens.
 **Serving part** (one ``dualdecoder`` server, default CPU preset with
 ``prefetch.hit_rate_sample: 1``, custom logit processors on; or the one given).
 The reference is the sparse path at ``dd_top_k`` 8192 (>= the context: token-
-identical to dense, as ``tests/test_dualdecoder_e2e.py`` asserts). For each
+identical to dense, as ``tests/dualdecoder/test_dualdecoder_e2e.py`` asserts). For each
 configuration (selector x speculator x miss policy x top_k): the greedy answer,
 whether it contains "Leopold", the first token where it leaves the reference,
 and, teacher-forcing the reference tokens through the decode path

@@ -3,7 +3,7 @@ the server keeps serving (``/health`` after every case: a crashed scheduler take
 process tree down, a stalled HTTP server does not answer; a real completion after them all).
 
 Cases already covered in tests/test_server_e2e.py (body not JSON, negative ``max_tokens``, a
-completion prompt over the context) and tests/test_dualdecoder_e2e.py (six bad ``custom_params``
+completion prompt over the context) and tests/dualdecoder/test_dualdecoder_e2e.py (six bad ``custom_params``
 overrides) are not repeated. Four cases here crashed or stalled SGLang 0.5.23 before dd_sglang
 refused them: ``/generate`` with ``"text": ""`` and a token id outside the vocabulary each killed
 the scheduler (the whole server), ``n=100000`` kept the HTTP server busy for minutes, and a 64 MiB

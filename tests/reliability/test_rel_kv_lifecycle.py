@@ -47,7 +47,7 @@ def dense_ids(srv, ids: list[int], n: int) -> list[int]:
 
 #: Largest log-probability gap (nats) between a dense reference's greedy token and the token a run in
 #: other batches chose instead: bfloat16 rounding that depends on the batch (see the growth case) moves
-#: log-probabilities by up to ~0.1 (``tests/test_dualdecoder_e2e.py`` measured 0.104 between decode and
+#: log-probabilities by up to ~0.1 (``tests/dualdecoder/test_dualdecoder_e2e.py`` measured 0.104 between decode and
 #: prefill of the same tokens).
 NEAR_TIE_NATS = 0.15
 

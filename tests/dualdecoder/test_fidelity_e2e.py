@@ -1,9 +1,9 @@
 """Answer quality of the sparse path: issue 10's failing input, and the quality benches at tiny size.
 
 Servers: the session's dense one (``server``, torch_native: issue 10's dense
-answer) and one ``dualdecoder`` server for this module (default CPU preset with
-``prefetch.hit_rate_sample: 1`` and a 512 MiB host tier, custom logit processors
-on), driven only through HTTP and the sidecar's ``/metrics``. The quick fidelity
+answer) and the package's ``dualdecoder`` server (``conftest.py``: default CPU preset with
+``prefetch.hit_rate_sample: 1``, custom logit processors on), driven only through HTTP and
+the sidecar's ``/metrics``. The quick fidelity
 run takes its dense reference from the ``dualdecoder`` server at full top_k
 (``--dense full_top_k``): teacher forcing needs overlap scheduling off, which
 the session's dense server keeps on.
@@ -25,33 +25,13 @@ import re
 import httpx
 import pytest
 
-from bench.client import COMMON_FLAGS, Endpoint, bench_preset, forced_scores, generate, prefill_logprobs
-from bench.server import start_server
+from bench.client import Endpoint, forced_scores, generate, prefill_logprobs
 from bench.texts import LICENSES, issue10_prompt, text
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
 #: Largest difference between a decode step's and the prefill's log-probability of one token (nats).
 BF16_LOGPROB_TOL = 0.25
-
-
-@pytest.fixture(scope="module")
-def dd_server(model_path, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fidelity_dd")
-    try:
-        srv = start_server(
-            tmp / "server.log",
-            8192,
-            ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, 1.0, 512 << 20)),
-             *COMMON_FLAGS],  # fmt: skip
-            timeout=900,  # a loaded 2-core machine has taken over 300 s to start one
-        )
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    yield srv
-    rc, alive = srv.stop()
-    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
-    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
 
 
 @pytest.mark.skipif(not (LICENSES / "Apache-2.0").exists(), reason="no Debian common-licenses folder")

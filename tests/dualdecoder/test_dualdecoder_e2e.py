@@ -1,6 +1,6 @@
 """End to end: SGLang with ``--attention-backend dualdecoder`` and a device KV pool sized for ~2 dense 4k requests.
 
-One real server for this module, beside the session's dense one. The launcher
+One real server (``dd_server``, this package's ``conftest.py``), beside the session's dense one. The launcher
 adds ``--radix-cache-backend dualdecoder``; the default preset applies, except
 that every step measures the prefetch hit rate (``prefetch.hit_rate_sample: 1``):
 prompts of 1,024+ tokens are prefilled densely, offloaded to the host tier, and
@@ -23,15 +23,15 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from bench.prompts import passkey_prompt
-from bench.server import ROOT, delta, flush_when_idle, scrape, start_server, transitions, wait_idle
+from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
+
+from .conftest import CAP
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
 PROMPT_TARGET = 4200  # passkey_prompt size target: ~4,000 tokens
-CAP = 8400  # device KV pool: two ~4k dense requests fit, three do not
 RESIDENT_BOUND = 4 + 0 + 128 + 64  # n_sink + n_keep + n_recent + page_size (default preset)
 DEPTH = 2  # prefetch.depth (default preset)
 REPAIR_BUDGET = 32  # prefetch.repair_budget (default preset): ring columns for a rejected speculation's repair
@@ -53,32 +53,6 @@ PAIRS = [("spec_host", s) for s in SPECULATORS] + [
     ("oracle", "dual_token"),
 ]  # fmt: skip
 USES_SPECULATOR = ("spec_host", "spec_host_exact")
-
-
-@pytest.fixture(scope="module")
-def dd_server(model_path, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dd_server")
-    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-    preset["prefetch"]["hit_rate_sample"] = 1.0
-    (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
-    try:
-        srv = start_server(
-            tmp / "server.log",
-            CAP,
-            [
-                "--attention-backend",
-                "dualdecoder",
-                "--enable-cache-report",
-                "--dd-config",
-                str(tmp / "preset.yaml"),
-            ],
-        )
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    yield srv
-    rc, alive = srv.stop()
-    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
-    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
 
 
 def metrics(srv) -> dict[str, float]:

@@ -1,0 +1,39 @@
+"""The package's server: one ``dualdecoder`` server for the sparse path's end-to-end and quality tests.
+
+Both modules (``test_dualdecoder_e2e.py``, ``test_fidelity_e2e.py``) once started a server each
+with nearly the same settings; one start-up (~45-60 s on 2 cores) is saved by sharing it.
+The default CPU preset, except that every step measures the prefetch hit rate
+(``prefetch.hit_rate_sample: 1``), with a device KV pool of :data:`CAP` tokens (two ~4k
+dense requests fit, three do not), SGLang's ``--enable-cache-report`` (cached-token counts)
+and ``--enable-custom-logit-processor`` (the quality benches' teacher forcing). The server
+stops when the package's tests are done, so it never runs beside the later packages' servers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from bench.client import COMMON_FLAGS
+from bench.server import ROOT, ServerProcess, start_server
+
+#: Device KV pool of the package's server (tokens): two ~4k dense requests fit, three do not.
+CAP = 8400
+
+
+@pytest.fixture(scope="package")
+def dd_server(model_path, tmp_path_factory) -> ServerProcess:
+    tmp = tmp_path_factory.mktemp("dd_server")
+    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+    preset["prefetch"]["hit_rate_sample"] = 1.0
+    (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
+    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--dd-config", str(tmp / "preset.yaml"),
+            *COMMON_FLAGS]  # fmt: skip
+    try:
+        srv = start_server(tmp / "server.log", CAP, args, timeout=900)  # a loaded 2-core machine: > 300 s
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    yield srv
+    rc, alive = srv.stop()
+    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
+    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
