@@ -44,3 +44,17 @@ def server(model_path, tmp_path_factory) -> ServerProcess:
     assert rc == 0, f"launcher exit code {rc} after SIGTERM:\n{srv.log_tail()}"
     assert not alive, f"processes left after SIGTERM: {alive}"
     assert "crashed with exit code" not in srv.log_path.read_text(), "SGLang saw a crash during a normal stop"
+
+
+def serve(log_path: Path, max_total_tokens: int, args: list[str], **kwargs):
+    """A fixture body for a test-owned server: start it (``bench.server.start_server``; a failed
+    start fails the test), yield it, then stop it and assert it exited 0, left no process
+    behind and logged no ``Traceback``."""
+    try:
+        srv = start_server(log_path, max_total_tokens, args, timeout=900, **kwargs)  # a loaded 2-core machine: > 300 s
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    yield srv
+    rc, alive = srv.stop()
+    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
+    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()

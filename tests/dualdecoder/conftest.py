@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from bench.client import COMMON_FLAGS
-from bench.server import ROOT, ServerProcess, start_server
+from bench.server import ROOT, ServerProcess
+from tests.conftest import serve
 
 #: Device KV pool of the package's server (tokens): two ~4k dense requests fit, three do not.
 CAP = 8400
@@ -29,11 +30,4 @@ def dd_server(model_path, tmp_path_factory) -> ServerProcess:
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--dd-config", str(tmp / "preset.yaml"),
             *COMMON_FLAGS]  # fmt: skip
-    try:
-        srv = start_server(tmp / "server.log", CAP, args, timeout=900)  # a loaded 2-core machine: > 300 s
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    yield srv
-    rc, alive = srv.stop()
-    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
-    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
+    yield from serve(tmp / "server.log", CAP, args)

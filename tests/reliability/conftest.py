@@ -26,7 +26,8 @@ import pytest
 import yaml
 
 from bench.prompts import passkey_prompt
-from bench.server import ROOT, ServerProcess, start_server
+from bench.server import ROOT, ServerProcess
+from tests.conftest import serve
 
 from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token
 
@@ -66,11 +67,4 @@ def rel_server(model_path, server, host_usable_bytes, bytes_per_token, tmp_path_
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
             "--dtype", server.dtype, "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
-    try:
-        srv = start_server(tmp / "server.log", CAP, args, timeout=900, api_key=API_KEY)
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    yield srv
-    rc, alive = srv.stop()
-    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
-    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
+    yield from serve(tmp / "server.log", CAP, args, api_key=API_KEY)
