@@ -12,10 +12,9 @@ stops when the package's tests are done, so it never runs beside the later packa
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from bench.client import COMMON_FLAGS
-from bench.server import ROOT, ServerProcess
+from bench.client import COMMON_FLAGS, bench_preset
+from bench.server import ServerProcess
 from tests.conftest import serve
 
 #: Device KV pool of the package's server (tokens): two ~4k dense requests fit, three do not.
@@ -25,9 +24,6 @@ CAP = 8400
 @pytest.fixture(scope="package")
 def dd_server(model_path, tmp_path_factory) -> ServerProcess:
     tmp = tmp_path_factory.mktemp("dd_server")
-    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-    preset["prefetch"]["hit_rate_sample"] = 1.0
-    (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
-    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--dd-config", str(tmp / "preset.yaml"),
+    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--dd-config", str(bench_preset(tmp, 1.0)),
             *COMMON_FLAGS]  # fmt: skip
     yield from serve(tmp / "server.log", CAP, args)
