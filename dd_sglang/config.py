@@ -157,7 +157,11 @@ class PrefetchSection(_Strict):
     lookahead selection also ranks by the real token's query (at the same
     ``top_k``): ``never``; ``after_miss``, on steps whose riding token is not the
     model's own guess (the last speculation was rejected, or none rode, so the
-    rider is a prompt lookup); ``always``. A
+    rider is a prompt lookup); ``always``. ``kernel``: how ``spec_host`` selects
+    and repairs on the host: ``native``, the C kernel built at first use with the
+    system compiler (``dd_sglang/kernels/cpu_select.c``; start-up fails where it
+    cannot be built); ``torch``, PyTorch operations; ``auto``, ``native`` where it
+    builds, else ``torch`` (logged). Both choose the same sets. A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
@@ -174,6 +178,7 @@ class PrefetchSection(_Strict):
     branches: int = Field(1, ge=1, le=2)
     confident: float = Field(0.9, ge=0.0, le=1.0)
     real_query: Literal["never", "after_miss", "always"] = "never"
+    kernel: Literal["auto", "native", "torch"] = "auto"
 
 
 class DDConfig(_Strict):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dd_sglang.attention.backend import BackendEvents, DualDecoderAttnBackend, finish_step
+from dd_sglang.kernels import native as native_kernel
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.selectors import gqa_token_scores
 from dd_sglang.prefetch.speculators import SpecState
@@ -300,9 +301,14 @@ def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_quer
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation():
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, rerank=100),
-                top_k=24, selector="spec_host_exact")  # fmt: skip
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation(kernel):
+    """Both repair paths: PyTorch's (mask the held tokens in the scores) and the C kernel's (the
+    first ``repair_budget`` not held of the real query's ``k + repair_budget`` best)."""
+    if kernel == "native" and not native_kernel.available():
+        pytest.skip(f"no CPU selection kernel here: {native_kernel.unavailable_reason()}")
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, rerank=100,
+                               kernel=kernel), top_k=24, selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()

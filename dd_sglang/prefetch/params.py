@@ -40,6 +40,9 @@ class PrefetchParams:
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
             ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
             ``staging`` (CUDA: host gather into pinned staging, then one copy).
+        kernel: ``spec_host``'s selection and the repairs on the host: ``native`` (the C
+            kernel, :mod:`dd_sglang.kernels.native`), ``torch`` (PyTorch operations) or ``auto``
+            (``native`` where it builds, else ``torch``).
     """
 
     speculator: str = "dual_token"
@@ -54,3 +57,4 @@ class PrefetchParams:
     branches: int = 1
     confident: float = 0.9
     real_query: str = "never"
+    kernel: str = "auto"

@@ -50,6 +50,7 @@ from collections.abc import Callable
 
 import torch
 
+from dd_sglang.kernels import native as native_kernel
 from dd_sglang.kernels.sparse_decode import fold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
 from dd_sglang.prefetch.gather import RingGather, flat_rows
@@ -64,6 +65,22 @@ from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
 #: one chunk of layers may make; at most :data:`SELECT_CHUNK_LAYERS` layers a chunk.
 SELECT_CHUNK_BYTES = 3 << 20
 SELECT_CHUNK_LAYERS = 10
+
+
+def use_native_kernel(kernel: str) -> bool:
+    """Whether ``spec_host`` and the repairs use the C kernel, for ``prefetch.kernel`` = ``kernel``.
+
+    Raises:
+        RuntimeError: ``kernel`` is ``native`` and the kernel cannot be built here (the reason).
+    """
+    if kernel == "torch":
+        return False
+    if native_kernel.available():
+        return True
+    if kernel == "native":
+        raise RuntimeError(f"prefetch.kernel: native, but the CPU selection kernel is unavailable "
+                           f"({native_kernel.unavailable_reason()}); use auto or torch")  # fmt: skip
+    return False
 
 
 class PrefetchEvents:
@@ -152,9 +169,10 @@ class SparseStepRunner:
         self.gather = RingGather(host.k, host.v, self.device, params.gather)
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
+        self.native = use_native_kernel(params.kernel)
         self.inputs = PlanInputs(
             req_to_token=req_to_token,
-            selectors={name: make_selector(name, params.rerank) for name in SELECTORS},
+            selectors={name: make_selector(name, params.rerank, self.native) for name in SELECTORS},
             speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
             store=self.store,
             make_index=self.index,
@@ -165,7 +183,7 @@ class SparseStepRunner:
             real_query=params.real_query,
         )
         self._exact = SELECTORS["oracle"]()
-        self._repair_scorer = make_selector("spec_host", params.rerank)
+        self._repair_scorer = make_selector("spec_host", params.rerank, self.native)
 
     # ------------------------------------------------------------------ state
     def index(self, location: str) -> KeyBlockIndex | QuantKeyIndex:
@@ -320,14 +338,23 @@ class SparseStepRunner:
         blocks = plan.blocks.take(rows)
         q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
         budget = plan.repair_budget
-        pos, slots, score = self._repair_scorer.score(
-            q, blocks, self.host.k[layer], plan.k + budget, scale, self.index("host"), layer
-        )
         have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
         valid = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
-        held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
-        held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
-        top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
+        if self._repair_scorer.native:
+            # The k + budget best of the real query, best first: at most k of them are held, so the
+            # first `budget` not held are the best `budget` not held among all re-ranked candidates.
+            pos, slots = self._repair_scorer.select(q, blocks, self.host.k[layer], plan.k + budget, scale,
+                                                    self.index("host"), layer)  # fmt: skip
+            held = ((pos.unsqueeze(-1) == have.unsqueeze(-2)) & valid.unsqueeze(-2)).any(dim=-1)
+            rank = torch.arange(pos.shape[-1]).expand_as(pos).masked_fill(held, pos.shape[-1])
+            top = rank.topk(budget, dim=-1, largest=False, sorted=True).indices
+        else:
+            pos, slots, score = self._repair_scorer.score(
+                q, blocks, self.host.k[layer], plan.k + budget, scale, self.index("host"), layer
+            )
+            held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
+            held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
+            top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
         self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
         self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
 

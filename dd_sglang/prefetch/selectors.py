@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from dd_sglang.kernels import native as native_kernel
 from dd_sglang.prefetch.index import (
     BLOCK_TOKENS,
     KeyBlockIndex,
@@ -208,8 +209,14 @@ class SpecHostSelector(Selector):
     per layer: ``n x Hkv x (head_dim + 4)`` int8 and scales plus ``m`` exact keys per KV
     head, instead of ``n x Hkv`` exact keys. The index lives in host memory: no device bytes.
 
+    With ``native`` the whole selection (scores, top-``m``, re-ranking, top-k) runs in the C
+    kernel (:func:`dd_sglang.kernels.native.spec_host_select`), one task per layer and row, no
+    intermediate tensors; it chooses the same sets (``tests/test_native_select.py``). Shapes it
+    does not take (``m`` at least the padded candidate count) use the PyTorch path.
+
     Args:
         rerank: ``rerank x k`` tokens are re-ranked exactly (>= 1).
+        native: use the C kernel (the caller checked :func:`dd_sglang.kernels.native.available`).
 
     Raises:
         ValueError: ``rerank < 1``.
@@ -220,14 +227,28 @@ class SpecHostSelector(Selector):
     uses_speculator = True
     index_location = "host"
 
-    def __init__(self, rerank: float = 2.0):
+    def __init__(self, rerank: float = 2.0, native: bool = False):
         if rerank < 1:
             raise ValueError(f"prefetch.rerank must be >= 1, got {rerank}")
         self.rerank = rerank
+        self.native = native
+
+    def _m(self, k: int) -> int:
+        return int(-(-self.rerank * k // 1))
+
+    def select_layers(self, q, rows, host_k, k, scale, index, layers):
+        if (not self.native or index is None or self._m(k) >= rows.tokens[0].shape[-1]
+                or q.shape[2] > native_kernel.MAX_QUERIES or q.shape[3] > native_kernel.MAX_HEAD_DIM):
+            return super().select_layers(q, rows, host_k, k, scale, index, layers)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        slots, ok = rows.tokens
+        return native_kernel.spec_host_select(q.float(), slots, ok, index.q8[layers], index.scale[layers],
+                                              host_k, k, self._m(k), scale)  # fmt: skip
 
     def score_layers(self, q, rows, host_k, k, scale, index, layers):
         slots, ok = rows.tokens
-        m = int(-(-self.rerank * k // 1))
+        m = self._m(k)
         if m >= slots.shape[-1]:
             return _all_candidates(q, rows, host_k, scale)
         approx = index.candidate_logits(q, layers, rows, scale)  # [L, R, Hkv, group, P]
@@ -278,8 +299,8 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
-def make_selector(name: str, rerank: float = 2.0) -> Selector:
-    """Instantiate a selector by name (``rerank`` applies to ``spec_host``).
+def make_selector(name: str, rerank: float = 2.0, native: bool = False) -> Selector:
+    """Instantiate a selector by name (``rerank`` and ``native`` apply to ``spec_host``).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
@@ -287,4 +308,4 @@ def make_selector(name: str, rerank: float = 2.0) -> Selector:
     cls = SELECTORS.get(name)
     if cls is None:
         raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
-    return cls(rerank) if cls is SpecHostSelector else cls()
+    return cls(rerank, native) if cls is SpecHostSelector else cls()

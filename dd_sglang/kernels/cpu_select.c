@@ -1,0 +1,366 @@
+/* dd_sglang CPU selection kernel: the spec_host selector's whole pipeline for one
+ * (layer, row, KV head) per task, compiled at first use by dd_sglang/kernels/native.py
+ * (cc -O3 -march=native) and called through ctypes (which releases the GIL, so two
+ * threads can run halves of a step's tasks).
+ *
+ * Per task, the same arithmetic as SpecHostSelector.score_layers + Selector.select_layers
+ * (dd_sglang/prefetch/selectors.py), in float32:
+ *   1. quantise each of the G query vectors to int8 (absmax / 127, round half to even);
+ *   2. approximate logit of every candidate c: (q8_j . k8_c) * kscale_c * (qscale_j * scale);
+ *   3. per query j the log-sum-exp z_j over the candidates; score_c = max_j (a_jc - z_j);
+ *   4. the m best candidates by score (m = ceil(rerank x k));
+ *   5. their exact logits scale * (q_j . k_c) from the host tier's keys (bf16 or float32);
+ *   6. per query j the normaliser Z_j = logaddexp(lse_i e_ji, z_j + log1p(-taken_j)), taken_j
+ *      the approximate softmax mass of the m re-ranked candidates;
+ *   7. the k best of the m by max_j (e_ji - Z_j), best first: positions and host slots.
+ * Written for this project; no code copied from elsewhere.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXG 64
+#define MAXD 256
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Dot products of one key with the G query vectors of its KV head. x86 SIMD where the
+ * compiler targets it (-march=native: AVX-512BW or AVX2), else plain loops. D is a multiple
+ * of 32 on the SIMD paths (checked by the caller; SmolLM2 and Llama use 64 and 128). */
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+static inline void dots_i8(const int8_t *k, const int16_t (*q)[MAXD], int G, int D, int32_t *out) {
+    __m512i acc[MAXG];
+    for (int j = 0; j < G; j++) acc[j] = _mm512_setzero_si512();
+    for (int d = 0; d < D; d += 32) {
+        __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(k + d)));
+        for (int j = 0; j < G; j++)
+            acc[j] = _mm512_add_epi32(acc[j], _mm512_madd_epi16(kv, _mm512_loadu_si512(q[j] + d)));
+    }
+    for (int j = 0; j < G; j++) out[j] = _mm512_reduce_add_epi32(acc[j]);
+}
+static inline void dots_bf16(const uint16_t *k, const float (*q)[MAXD], int G, int D, float *out) {
+    __m512 acc[MAXG];
+    for (int j = 0; j < G; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + d)));
+        __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        for (int j = 0; j < G; j++) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q[j] + d), acc[j]);
+    }
+    for (int j = 0; j < G; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+static inline void dots_f32(const float *k, const float (*q)[MAXD], int G, int D, float *out) {
+    __m512 acc[MAXG];
+    for (int j = 0; j < G; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        __m512 kv = _mm512_loadu_ps(k + d);
+        for (int j = 0; j < G; j++) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q[j] + d), acc[j]);
+    }
+    for (int j = 0; j < G; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#define SIMD_D 32
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+    return _mm_cvtsi128_si32(x);
+}
+static inline float hsum_ps(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline void dots_i8(const int8_t *k, const int16_t (*q)[MAXD], int G, int D, int32_t *out) {
+    __m256i acc[MAXG];
+    for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_si256();
+    for (int d = 0; d < D; d += 16) {
+        __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k + d)));
+        for (int j = 0; j < G; j++)
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(kv, _mm256_loadu_si256((const __m256i *)(q[j] + d))));
+    }
+    for (int j = 0; j < G; j++) out[j] = hsum_i32(acc[j]);
+}
+static inline void dots_bf16(const uint16_t *k, const float (*q)[MAXD], int G, int D, float *out) {
+    __m256 acc[MAXG];
+    for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + d)));
+        __m256 kv = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        for (int j = 0; j < G; j++) acc[j] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q[j] + d), acc[j]);
+    }
+    for (int j = 0; j < G; j++) out[j] = hsum_ps(acc[j]);
+}
+static inline void dots_f32(const float *k, const float (*q)[MAXD], int G, int D, float *out) {
+    __m256 acc[MAXG];
+    for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 kv = _mm256_loadu_ps(k + d);
+        for (int j = 0; j < G; j++) acc[j] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q[j] + d), acc[j]);
+    }
+    for (int j = 0; j < G; j++) out[j] = hsum_ps(acc[j]);
+}
+#define SIMD_D 16
+#else
+#define SIMD_D 1
+#endif
+
+static inline void dots_i8_ref(const int8_t *k, const int16_t (*q)[MAXD], int G, int D, int32_t *out) {
+    for (int j = 0; j < G; j++) {
+        int32_t acc = 0;
+        for (int d = 0; d < D; d++) acc += (int32_t)k[d] * (int32_t)q[j][d];
+        out[j] = acc;
+    }
+}
+static inline void dots_float_ref(const void *k, int bf16, const float (*q)[MAXD], int G, int D, float *out) {
+    for (int j = 0; j < G; j++) {
+        float acc = 0.0f;
+        for (int d = 0; d < D; d++)
+            acc += q[j][d] * (bf16 ? bf16_to_f32(((const uint16_t *)k)[d]) : ((const float *)k)[d]);
+        out[j] = acc;
+    }
+}
+
+/* exp(x) for x <= 0 (arguments here are logits less their max): Cody-Waite range
+ * reduction and a degree-6 polynomial, ~2 ulp, branch-free so loops over it vectorise.
+ * Below -87 it returns 0. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+typedef struct {
+    float v;
+    int32_t i;
+} scored;
+
+/* Reorder a[0..n) so that a[0..m) hold the m largest values (any order); 0 < m < n. */
+static void select_top(scored *a, int n, int m) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float pivot = a[lo + (hi - lo) / 2].v;
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i].v > pivot) i++;
+            while (a[j].v < pivot) j--;
+            if (i <= j) {
+                scored t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (m - 1 <= j)
+            hi = j;
+        else if (m - 1 >= i)
+            lo = i;
+        else
+            return;
+    }
+}
+
+static int by_score_desc(const void *x, const void *y) {
+    float a = ((const scored *)x)->v, b = ((const scored *)y)->v;
+    if (a > b) return -1;
+    if (a < b) return 1;
+    return ((const scored *)x)->i - ((const scored *)y)->i;
+}
+
+static float logaddexp(float a, float b) {
+    if (a == -INFINITY) return b;
+    if (b == -INFINITY) return a;
+    float mx = a > b ? a : b;
+    return mx + log1pf(expf(-fabsf(a - b)));
+}
+
+/* One KV head's selection from its approximate logits a[G][n] (compact candidates, cpos[c] the
+ * position of candidate c): steps 3-7 of the header. Writes k positions and slots, best first. */
+static void select_head(const float *a, int n, const int32_t *cpos, int G, int D, int k, int m,
+                        float scale, const float (*qf)[MAXD], const char *keys_l, int64_t key_row,
+                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc,
+                        float *e, int64_t *op, int64_t *os) {
+    float z[MAXG], taken[MAXG];
+    if (n <= k) { /* not expected (rows have more than k candidates); keep what there is */
+        for (int c = 0; c < k; c++) {
+            op[c] = c < n ? cpos[c] : (n ? cpos[0] : 0);
+            os[c] = srow[op[c]];
+        }
+        return;
+    }
+    /* 3. log-sum-exp per query; score = max over the group of the log-probability */
+    for (int j = 0; j < G; j++) {
+        const float *aj = a + (int64_t)j * n;
+        float mx = -INFINITY;
+        for (int c = 0; c < n; c++) mx = aj[c] > mx ? aj[c] : mx;
+        float sum = 0.0f;
+        for (int c = 0; c < n; c++) sum += exp_neg(aj[c] - mx);
+        z[j] = mx + logf(sum);
+    }
+    for (int c = 0; c < n; c++) {
+        float best = a[c] - z[0];
+        for (int j = 1; j < G; j++) {
+            float v = a[(int64_t)j * n + c] - z[j];
+            best = v > best ? v : best;
+        }
+        sc[c].v = best;
+        sc[c].i = c;
+    }
+    /* 4. the mm best candidates (.i: compact index), their approximate mass, then positions */
+    int mm = m < n ? m : n;
+    if (mm < n) select_top(sc, n, mm);
+    for (int j = 0; j < G; j++) {
+        const float *aj = a + (int64_t)j * n;
+        float sum = 0.0f;
+        for (int i = 0; i < mm; i++) sum += exp_neg(aj[sc[i].i] - z[j]);
+        taken[j] = sum;
+    }
+    for (int i = 0; i < mm; i++) sc[i].i = cpos[sc[i].i];
+    /* 5. exact logits of the mm from the host tier's keys */
+    const int esz = key_bf16 ? 2 : 4;
+    for (int i = 0; i < mm; i++) {
+        if (i + 8 < mm) __builtin_prefetch(keys_l + (srow[sc[i + 8].i] * key_row + head_off) * esz);
+        const char *kr = keys_l + (srow[sc[i].i] * key_row + head_off) * esz;
+        float dot[MAXG];
+#if SIMD_D > 1
+        if (simd && key_bf16)
+            dots_bf16((const uint16_t *)kr, qf, G, D, dot);
+        else if (simd)
+            dots_f32((const float *)kr, qf, G, D, dot);
+        else
+#endif
+            dots_float_ref(kr, key_bf16, qf, G, D, dot);
+        for (int j = 0; j < G; j++) e[(int64_t)j * mm + i] = dot[j] * scale;
+    }
+    /* 6. normalisers: exact over the mm, approximate over the rest */
+    for (int j = 0; j < G; j++) {
+        const float *ej = e + (int64_t)j * mm;
+        float mx = -INFINITY;
+        for (int i = 0; i < mm; i++) mx = ej[i] > mx ? ej[i] : mx;
+        float sum = 0.0f;
+        for (int i = 0; i < mm; i++) sum += exp_neg(ej[i] - mx);
+        float tk = taken[j] > 1.0f ? 1.0f : taken[j];
+        float rest = tk >= 1.0f ? -INFINITY : z[j] + log1pf(-tk);
+        z[j] = logaddexp(mx + logf(sum), rest);
+    }
+    /* 7. the k best of the mm, best first */
+    for (int i = 0; i < mm; i++) {
+        float best = e[i] - z[0];
+        for (int j = 1; j < G; j++) {
+            float v = e[(int64_t)j * mm + i] - z[j];
+            best = v > best ? v : best;
+        }
+        sc[i].v = best;
+    }
+    if (k < mm) select_top(sc, mm, k);
+    qsort(sc, (size_t)k, sizeof(scored), by_score_desc);
+    for (int i = 0; i < k; i++) {
+        op[i] = sc[i].i;
+        os[i] = srow[sc[i].i];
+    }
+}
+
+/* Tasks [t0, t1) of the L x R grid (task = l * R + r; every KV head of the row: a host slot's
+ * KV heads are one contiguous row of the index, read once for all of them).
+ *
+ * q        [L, R, H * G, D] float32      the selection queries (KV head h owns columns [h G, h G + G))
+ * slots    [R, P] int64, ok [R, P] uint8 each position's host slot, and whether it is a candidate
+ * q8       [L, S, H, D] int8, kscale [L, S, H] float32   the int8 key index of the chunk's layers
+ * keys     [L, S, H, D] bfloat16 (key_bf16 = 1) or float32   the host tier's keys
+ * out_pos, out_slots [L, R, H, k] int64
+ * Returns 0, or -1 for a shape this kernel does not take (H * G > MAXG, D > MAXD, k > m, no memory). */
+int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
+                        const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
+                        const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
+                        int64_t *out_slots, int t0, int t1) {
+    if (L < 1 || H * G > MAXG || D > MAXD || k > m || k < 1 || t0 < 0 || t1 > L * R) return -1;
+    const int HG = H * G;
+    float *a = malloc(sizeof(float) * (size_t)HG * P);
+    scored *sc = malloc(sizeof(scored) * (size_t)P);
+    float *e = malloc(sizeof(float) * (size_t)G * m);
+    int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
+    if (!a || !sc || !e || !cpos) {
+        free(a);
+        free(sc);
+        free(e);
+        free(cpos);
+        return -1;
+    }
+    int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
+    float qf[MAXG][MAXD] __attribute__((aligned(64)));
+    const int simd = SIMD_D > 1 && D % SIMD_D == 0;
+    float qsc[MAXG];
+    for (int t = t0; t < t1; t++) {
+        int r = t % R, l = t / R;
+        /* 1. the row's H x G queries, and their int8 versions */
+        const float *qrow = q + ((int64_t)l * R + r) * HG * D;
+        for (int j = 0; j < HG; j++) {
+            float mx = 0.0f;
+            for (int d = 0; d < D; d++) {
+                float v = qrow[j * D + d];
+                qf[j][d] = v;
+                mx = fabsf(v) > mx ? fabsf(v) : mx;
+            }
+            float qs = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
+            for (int d = 0; d < D; d++) qi[j][d] = (int16_t)nearbyintf(qf[j][d] / qs);
+            qsc[j] = qs * scale;
+        }
+        /* 2. approximate logits of the candidates, compacted: a[(h G + j) n + c] */
+        const int64_t *srow = slots + (int64_t)r * P;
+        const uint8_t *okrow = ok + (int64_t)r * P;
+        const int8_t *q8l = q8 + (int64_t)l * S * H * D;
+        const float *ksl = kscale + (int64_t)l * S * H;
+        int n = 0;
+        for (int p = 0; p < P; p++)
+            if (okrow[p]) cpos[n++] = p;
+        for (int c = 0; c < n; c++) {
+            int64_t s = srow[cpos[c]];
+            if (c + 8 < n) __builtin_prefetch(q8l + srow[cpos[c + 8]] * H * D);
+            for (int h = 0; h < H; h++) {
+                const int8_t *kr = q8l + (s * H + h) * D;
+                float ks = ksl[s * H + h];
+                int32_t dot[MAXG];
+#if SIMD_D > 1
+                if (simd)
+                    dots_i8(kr, (const int16_t(*)[MAXD])qi[h * G], G, D, dot);
+                else
+#endif
+                    dots_i8_ref(kr, (const int16_t(*)[MAXD])qi[h * G], G, D, dot);
+                for (int j = 0; j < G; j++) a[(int64_t)(h * G + j) * n + c] = (float)dot[j] * ks * qsc[h * G + j];
+            }
+        }
+        const char *keys_l = (const char *)keys + (int64_t)l * S * H * D * (key_bf16 ? 2 : 4);
+        for (int h = 0; h < H; h++) {
+            int64_t o = (((int64_t)l * R + r) * H + h) * k;
+            select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])qf[h * G],
+                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, sc, e, out_pos + o,
+                        out_slots + o);
+        }
+    }
+    free(a);
+    free(sc);
+    free(e);
+    free(cpos);
+    return 0;
+}

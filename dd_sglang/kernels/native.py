@@ -1,0 +1,211 @@
+"""The CPU selection kernel (``cpu_select.c``): built at first use with the system C compiler.
+
+What it computes is ``spec_host``'s whole selection for a chunk of layers, every row and KV
+head (:func:`spec_host_select`), the same arithmetic as
+:meth:`dd_sglang.prefetch.selectors.SpecHostSelector.score_layers` followed by the top-k,
+one task per (layer, row, KV head) with no tensor of intermediate scores: the PyTorch version
+dispatches ~40 operations per chunk and writes every candidate's score for every query head
+to memory and back. ``tests/test_native_select.py`` checks that both choose the same sets.
+
+**Build.** ``cc -O3 -march=native -shared -fPIC`` (the compiler from ``$CC``, else ``cc``)
+into ``$DD_SGLANG_CACHE/native/`` (default ``~/.cache/dd_sglang``), once per source, flags
+and CPU (the file name carries a hash of the three), written to a temporary name and
+renamed, so concurrent processes never load a half-written library. ``-march=native``: the
+library is built on the machine that runs it, for its instruction set (AVX2 or AVX-512).
+Without a compiler, or if the build fails, :func:`load` returns None and logs why once; the
+selector then uses its PyTorch path (``prefetch.kernel: auto``).
+
+**Threads.** ctypes releases the GIL during the call, so :func:`spec_host_select` runs the
+first half of the tasks on the calling thread and the second on one helper thread: a CPU
+decode step is otherwise single-threaded between PyTorch operations.
+
+Imports no other dd_sglang layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_select.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+#: ``MAXG`` and ``MAXD`` of ``cpu_select.c``: query vectors per row (KV heads x group x riding
+#: positions) and head_dim it takes.
+MAX_QUERIES, MAX_HEAD_DIM = 64, 256
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why = ""
+_pool: ThreadPoolExecutor | None = None
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here (the message says why)."""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("DD_SGLANG_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "dd_sglang") / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(cache: Path | None = None) -> Path:
+    """Compile ``cpu_select.c`` (once per source, flags and CPU) and return the library's path.
+
+    Raises:
+        NativeUnavailable: no C compiler (``$CC`` or ``cc``), or the compiler failed (its
+            message is included).
+    """
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise NativeUnavailable(f"no C compiler ({cc!r} not on PATH)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out_dir = cache or _cache_dir()
+    lib = out_dir / f"cpu_select-{key}.so"
+    if lib.exists():
+        return lib
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise NativeUnavailable(f"cannot create {out_dir} ({err})") from None
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
+        os.replace(tmp, lib)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise NativeUnavailable(f"{cc} could not build the kernel ({err})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first call; None (logged once, with the reason) where it cannot be."""
+    global _lib, _tried, _pool, _why
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (NativeUnavailable, OSError) as err:
+            _why = str(err)
+            log.warning("dd_sglang: CPU selection kernel unavailable, using PyTorch: %s", err)
+            return None
+        fn = lib.dd_spec_host_select
+        i, p, i64, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fn.argtypes = [i, i, i, i, i, i, i64, p, p, p, p, p, p, i, i, i, f, p, p, i, i]
+        fn.restype = ctypes.c_int
+        _lib = lib
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="dd-select-native")
+        return _lib
+
+
+def available() -> bool:
+    """Whether the kernel is (or can be) loaded here."""
+    return load() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`load` returned None ("" when it did not, or was not yet called)."""
+    return _why
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def spec_host_select(
+    q: torch.Tensor,
+    slots: torch.Tensor,
+    ok: torch.Tensor,
+    q8: torch.Tensor,
+    kscale: torch.Tensor,
+    keys: torch.Tensor,
+    k: int,
+    m: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``spec_host``'s selection of ``L`` layers (module docstring; arithmetic in ``cpu_select.c``).
+
+    Args:
+        q: ``[L, rows, Hkv x G, D]`` float32, the selection queries grouped by KV head.
+        slots, ok: ``[rows, P]`` int64 host slot of each position and bool candidate flag.
+        q8, kscale: the ``L`` layers' int8 key index, ``[L, S, Hkv, D]`` int8 and ``[L, S, Hkv]``
+            float32 (:class:`~dd_sglang.prefetch.index.QuantKeyIndex`; contiguous per layer).
+        keys: the ``L`` layers' host keys ``[L, S, Hkv, D]``, bfloat16 or float32.
+        k: set size per KV head; ``m``: candidates re-ranked exactly (``k <= m``).
+        scale: softmax scale.
+
+    Returns:
+        ``(positions, slots)``, each ``[L, rows, Hkv, k]`` int64, best first.
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded (:func:`load` returned None).
+        ValueError: a shape or dtype the kernel does not take (the message names it).
+    """
+    lib = load()
+    if lib is None:
+        raise NativeUnavailable("the CPU selection kernel is not built here")
+    n_layers, rows, hkv, d = keys.shape[0], slots.shape[0], keys.shape[2], keys.shape[3]
+    if keys.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"keys must be bfloat16 or float32, got {keys.dtype}")
+    if q.shape[0] != n_layers or q.shape[1] != rows or q.shape[2] % hkv or q.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} does not match keys {tuple(keys.shape)} and {rows} rows")
+    if not 1 <= k <= m:
+        raise ValueError(f"need 1 <= k <= m, got k={k}, m={m}")
+    g = q.shape[2] // hkv
+    if q.shape[2] > MAX_QUERIES or d > MAX_HEAD_DIM:
+        raise ValueError(f"the CPU selection kernel takes at most {MAX_QUERIES} queries per row and head_dim "
+                         f"{MAX_HEAD_DIM}, got {q.shape[2]} and {d}")  # fmt: skip
+    for name, t in (("keys", keys), ("q8", q8), ("kscale", kscale)):
+        if not t[0].is_contiguous() or (n_layers > 1 and t.stride(0) != t[0].numel()):
+            raise ValueError(f"{name} must be contiguous")
+    q = q.to(torch.float32).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    ok = ok.to(torch.uint8).contiguous()
+    pos_out = torch.empty(n_layers, rows, hkv, k, dtype=torch.int64)
+    slot_out = torch.empty_like(pos_out)
+    s = keys.shape[1]
+    tasks = n_layers * rows
+    args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),
+            _ptr(kscale), _ptr(keys), int(keys.dtype == torch.bfloat16), k, m, float(scale),
+            _ptr(pos_out), _ptr(slot_out))  # fmt: skip
+    half = tasks // 2
+    if half and _pool is not None:
+        other = _pool.submit(lib.dd_spec_host_select, *args, half, tasks)
+        rc = lib.dd_spec_host_select(*args, 0, half)
+        rc = rc or other.result()
+    else:
+        rc = lib.dd_spec_host_select(*args, 0, tasks)
+    if rc != 0:
+        raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")
+    return pos_out, slot_out

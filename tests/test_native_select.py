@@ -1,0 +1,122 @@
+"""The C selection kernel (``dd_sglang/kernels/cpu_select.c``) against ``spec_host``'s PyTorch path.
+
+Both must choose the same critical sets: same positions per layer, row and KV head, their host
+slots, best first. Skipped where no C compiler can build the kernel (the runtime then uses the
+PyTorch path, ``prefetch.kernel: auto``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dd_sglang.kernels import native
+from dd_sglang.prefetch.index import QuantKeyIndex, row_blocks
+from dd_sglang.prefetch.runner import use_native_kernel
+from dd_sglang.prefetch.selectors import make_selector
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU selection kernel here: "
+                                f"{native.unavailable_reason()}")  # fmt: skip
+
+
+def _case(lens, d, dtype, seed, hq=9, hkv=3, layers=3, n_keep=0):
+    """Host tier over shuffled 64-slot pages (as HostSparseKVPool allocates), its int8 index, rows."""
+    g = torch.Generator().manual_seed(seed)
+    page = 64
+    need = [-(-n // page) for n in lens]
+    n_pages = sum(need) + 3
+    # a shared direction per head plus noise: attention concentrates like a real model's
+    host_k = (torch.randn(layers, n_pages * page, hkv, d, generator=g)
+              + 1.5 * torch.randn(layers, 1, hkv, d, generator=g)).to(dtype)  # fmt: skip
+    order = torch.randperm(n_pages, generator=g).tolist()
+    slots, start = [], 0
+    for n in need:
+        slots.append(torch.cat([torch.arange(p * page, (p + 1) * page) for p in order[start : start + n]]))
+        start += n
+    idx = QuantKeyIndex(host_k)
+    for sl, n in zip(slots, lens, strict=True):
+        idx.update(sl, 0, n)
+    keep = [torch.randperm(n - 200, generator=g)[:n_keep] + 4 for n in lens]
+    rows = row_blocks(slots, [4] * len(lens), [n - 128 for n in lens], keep)
+    q = torch.randn(layers, len(lens), hq, d, generator=g) + torch.randn(layers, 1, hq, d, generator=g)
+    return host_k, idx, rows, q
+
+
+def _same_sets(a, b):
+    return [set(x) == set(y) for x, y in zip(a.flatten(0, -2).tolist(), b.flatten(0, -2).tolist(), strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("d", "dtype", "hq"),
+    [(64, torch.bfloat16, 9), (64, torch.float32, 9), (16, torch.bfloat16, 9), (128, torch.bfloat16, 32),
+     (64, torch.bfloat16, 18)],  # fmt: skip
+)
+def test_native_selection_chooses_the_pytorch_sets(d, dtype, hq):
+    """SIMD (head_dim 64, 128) and plain (16) paths, bf16 and float32 tiers, two riding queries
+    (18 query vectors over 3 KV heads), rows of different lengths over shuffled pages with kept
+    tokens: every (layer, row, KV head) set equals PyTorch's, with the same slots, best first."""
+    hkv = 8 if hq == 32 else 3
+    host_k, idx, rows, q = _case([1500, 2300, 900], d, dtype, seed=d + hq, hq=hq, hkv=hkv, n_keep=5)
+    k, scale = 96, d**-0.5
+    torch_sel, native_sel = make_selector("spec_host", 2.0), make_selector("spec_host", 2.0, native=True)
+    layers = slice(0, host_k.shape[0])
+    want_pos, want_slots = torch_sel.select_layers(q, rows, host_k, k, scale, idx, layers)
+    got_pos, got_slots = native_sel.select_layers(q, rows, host_k, k, scale, idx, layers)
+    assert got_pos.shape == want_pos.shape == (3, 3, hkv, k) and got_pos.dtype is torch.int64
+    assert all(_same_sets(got_pos, want_pos))
+    table, ok = rows.tokens
+    for r in range(3):
+        assert torch.equal(got_slots[:, r], table[r][got_pos[:, r]])  # each slot is its position's
+        assert ok[r][got_pos[:, r]].all()  # only candidates
+    # best first: the kernel's order is PyTorch's order by score (ties aside)
+    _, _, score = torch_sel.score_layers(q, rows, host_k, k, scale, idx, layers)
+    pos_all, _, _ = torch_sel.score_layers(q, rows, host_k, k, scale, idx, layers)
+    s = torch.full((*score.shape[:3], table.shape[1]), float("-inf")).scatter_(-1, pos_all, score)
+    ranked = s.gather(-1, got_pos)
+    assert (ranked[..., :-1] >= ranked[..., 1:] - 1e-5).all()
+
+
+def test_native_selection_splits_over_threads_like_one_call():
+    """The two-thread split (first half of the tasks here, second on the helper) gives the sets of
+    a single-layer call per layer."""
+    host_k, idx, rows, q = _case([1300, 1700], 64, torch.bfloat16, seed=4, layers=4)
+    sel = make_selector("spec_host", 2.0, native=True)
+    pos, slots = sel.select_layers(q, rows, host_k, 64, 0.125, idx, slice(0, 4))
+    for layer in range(4):
+        p1, s1 = sel.select(q[layer], rows, host_k[layer], 64, 0.125, idx, layer)
+        assert torch.equal(pos[layer], p1) and torch.equal(slots[layer], s1)
+
+
+def test_rerank_covering_every_candidate_uses_the_exact_path():
+    """With ``rerank x k`` at least the candidates the native selector defers to exact scoring,
+    as the PyTorch one does."""
+    host_k, idx, rows, q = _case([700], 64, torch.bfloat16, seed=5, layers=1)
+    wide = make_selector("spec_host", 100.0, native=True).select(q[0], rows, host_k[0], 32, 0.125, idx, 0)[0]
+    exact = make_selector("spec_host_exact").select(q[0], rows, host_k[0], 32, 0.125)[0]
+    assert all(_same_sets(wide, exact))
+
+
+def test_bad_shapes_are_refused_with_the_field():
+    host_k, idx, rows, q = _case([900], 64, torch.bfloat16, seed=6, layers=1)
+    slots, ok = rows.tokens
+    with pytest.raises(ValueError, match="k <= m"):
+        native.spec_host_select(q, slots, ok, idx.q8, idx.scale, host_k, 64, 32, 0.125)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        native.spec_host_select(q, slots, ok, idx.q8, idx.scale, host_k.half(), 32, 64, 0.125)
+    with pytest.raises(ValueError, match="does not match"):
+        native.spec_host_select(q[:, :, :, :32], slots, ok, idx.q8, idx.scale, host_k, 32, 64, 0.125)
+
+
+def test_kernel_setting_decides_and_native_fails_loudly(monkeypatch):
+    assert use_native_kernel("torch") is False
+    assert use_native_kernel("auto") is True and use_native_kernel("native") is True
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert use_native_kernel("auto") is False
+    with pytest.raises(RuntimeError, match="prefetch.kernel: native"):
+        use_native_kernel("native")
+
+
+def test_build_without_a_compiler_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler-dd")
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.build(tmp_path)
