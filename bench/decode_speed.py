@@ -131,6 +131,8 @@ RATIOS = (
     ("sparse_over_sglang_dense", "dualdecoder_sparse", "sglang_dense"),
     ("sparse_over_dense_same_server", "dualdecoder_sparse", "dualdecoder_dense"),
     ("select_worker_over_sglang_dense", "dualdecoder_sparse_select_worker", "sglang_dense"),
+    ("torch_kernel_over_sglang_dense", "dualdecoder_sparse_torch_kernel", "sglang_dense"),
+    ("native_over_torch_kernel", "dualdecoder_sparse", "dualdecoder_sparse_torch_kernel"),
 )
 
 
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
     ap.add_argument("--select-worker", action="store_true",
                     help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
+    ap.add_argument("--torch-kernel", action="store_true",
+                    help="also run the sparse default on a server with prefetch.kernel: torch (no C kernel)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -206,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         preset_worker.write_text(yaml.safe_dump(preset))
         servers["select_worker"] = (["--attention-backend", "dualdecoder", "--dd-config", str(preset_worker)],
                                     [("dualdecoder_sparse_select_worker", {}, "sparse")])  # fmt: skip
+    if args.torch_kernel:
+        preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+        preset.setdefault("prefetch", {})["kernel"] = "torch"
+        (tmp / "torch_kernel.yaml").write_text(yaml.safe_dump(preset))
+        servers["torch_kernel"] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "torch_kernel.yaml")],
+                                   [("dualdecoder_sparse_torch_kernel", {}, "sparse")])  # fmt: skip
     started: dict[str, object] = {}
     try:
         for backend, (flags, _) in servers.items():

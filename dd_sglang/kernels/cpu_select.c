@@ -16,6 +16,9 @@
  * Written for this project; no code copied from elsewhere.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +68,46 @@ static inline void dots_f32(const float *k, const float (*q)[MAXD], int G, int D
     for (int j = 0; j < G; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
 }
 #define SIMD_D 32
+/* The approximate logits of 16 candidates at once, for every KV head and query: the key rows'
+ * partial sums (one 16-lane vector per candidate and query) are added lane-wise by a transpose
+ * tree, so the 16 sums come out as one vector, stored contiguously into a[(h G + j) n + c0..].
+ * rows[i]: candidate c0 + i's int8 index row (H x D bytes); ks[h][i]: its scales; cnt <= 16
+ * candidates (the rest padded with row 0, not stored). */
+static inline __m512i tree16(__m512i *v) {
+    __m512i w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(w[2 * i], w[2 * i + 1]),
+                                _mm512_unpackhi_epi64(w[2 * i], w[2 * i + 1]));
+    __m512i z0 = _mm512_add_epi32(_mm512_shuffle_i32x4(x[0], x[1], 0x88), _mm512_shuffle_i32x4(x[0], x[1], 0xdd));
+    __m512i z1 = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2], x[3], 0x88), _mm512_shuffle_i32x4(x[2], x[3], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(z0, z1, 0x88), _mm512_shuffle_i32x4(z0, z1, 0xdd));
+}
+
+static void logits16(const int8_t *const *rows, const float (*ks)[16], int cnt, int H, int G, int D,
+                     const int16_t (*q)[MAXD], const float *qsc, float *a, int64_t n, int c0) {
+    __mmask16 keep = (__mmask16)((1u << cnt) - 1u);
+    for (int h = 0; h < H; h++) {
+        for (int j = 0; j < G; j++) {
+            const int16_t *qj = q[h * G + j];
+            __m512i acc[16];
+            for (int i = 0; i < 16; i++) {
+                const int8_t *kr = rows[i] + h * D;
+                __m512i sum = _mm512_setzero_si512();
+                for (int d = 0; d < D; d += 32)
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + d))),
+                                                                  _mm512_loadu_si512(qj + d)));
+                acc[i] = sum;
+            }
+            __m512 f = _mm512_cvtepi32_ps(tree16(acc));
+            f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_loadu_ps(ks[h])), _mm512_set1_ps(qsc[h * G + j]));
+            _mm512_mask_storeu_ps(a + (int64_t)(h * G + j) * n + c0, keep, f);
+        }
+    }
+}
+#define HAVE_LOGITS16 1
 #elif defined(__AVX2__)
 #include <immintrin.h>
 static inline int32_t hsum_i32(__m256i v) {
@@ -334,7 +377,25 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         int n = 0;
         for (int p = 0; p < P; p++)
             if (okrow[p]) cpos[n++] = p;
-        for (int c = 0; c < n; c++) {
+        int c = 0;
+#ifdef HAVE_LOGITS16
+        if (simd && H <= 16) {
+            const int8_t *rws[16];
+            float ksb[16][16];
+            for (; c < n; c += 16) {
+                int cnt = n - c < 16 ? n - c : 16;
+                for (int i = 0; i < 16; i++) {
+                    int64_t s = srow[cpos[i < cnt ? c + i : c]];
+                    rws[i] = q8l + s * H * D;
+                    for (int h = 0; h < H; h++) ksb[h][i] = ksl[s * H + h];
+                }
+                if (c + 32 <= n)
+                    for (int i = 16; i < 32; i += 2) __builtin_prefetch(q8l + srow[cpos[c + i]] * H * D);
+                logits16(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int16_t(*)[MAXD])qi, qsc, a, n, c);
+            }
+        }
+#endif
+        for (; c < n; c++) {
             int64_t s = srow[cpos[c]];
             if (c + 8 < n) __builtin_prefetch(q8l + srow[cpos[c + 8]] * H * D);
             for (int h = 0; h < H; h++) {
@@ -363,4 +424,30 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     free(e);
     free(cpos);
     return 0;
+}
+
+/* dd_spec_host_select over every task, split into contiguous ranges over `threads` OpenMP
+ * threads. Built with -fopenmp, this library binds to the libgomp already loaded in the process
+ * (PyTorch's), so these are the threads PyTorch's own operations use: no second pool competes
+ * for the cores with them. Returns 0, or -1 if any range was refused. */
+int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
+                            const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
+                            const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
+                            int64_t *out_slots, int threads) {
+    int tasks = L * R, rc = 0;
+    if (threads < 1) threads = 1;
+    if (threads > tasks) threads = tasks;
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+#ifdef _OPENMP
+        int id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int id = 0, nt = 1;
+#endif
+        int t0 = (int)((int64_t)tasks * id / nt), t1 = (int)((int64_t)tasks * (id + 1) / nt);
+        if (t1 > t0)
+            rc |= dd_spec_host_select(L, R, H, G, D, P, S, q, slots, ok, q8, kscale, keys, key_bf16, k, m, scale,
+                                      out_pos, out_slots, t0, t1);
+    }
+    return rc ? -1 : 0;
 }
