@@ -120,3 +120,26 @@ def test_build_without_a_compiler_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-compiler-dd")
     with pytest.raises(native.NativeUnavailable, match="no C compiler"):
         native.build(tmp_path)
+
+
+@pytest.mark.parametrize("rows", [slice(0, 3), torch.tensor([2, 0])])
+def test_ring_gather_copies_the_same_bytes_as_pytorch(rows):
+    """The CPU ring copy through the C kernel writes exactly what PyTorch's index_select path does,
+    for the fixed rows (a slice) and for a few rows (repairs), and nothing else of the slot."""
+    from dd_sglang.prefetch.gather import RingGather, flat_rows
+
+    g = torch.Generator().manual_seed(7)
+    hk, hv = torch.randn(2, 512, 3, 64, generator=g).bfloat16(), torch.randn(2, 512, 3, 64, generator=g).bfloat16()
+    n = 3 if isinstance(rows, slice) else 2
+    slots = torch.randint(0, 512, (n, 3, 40), generator=g)
+    out = []
+    for use_native in (True, False):
+        gather = RingGather(hk, hv, "cpu", "cpu", native=use_native)
+        assert gather.native is use_native
+        kd, vd = torch.full((4, 3, 60, 64), -1.0).bfloat16(), torch.full((4, 3, 60, 64), -1.0).bfloat16()
+        moved = gather.copy(1, flat_rows(slots), kd, vd, rows, 7, 40)
+        assert moved == 2 * n * 3 * 40 * 64 * 2
+        out.append((kd, vd))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    r = torch.arange(4)[rows]
+    assert torch.equal(out[0][0][r[0], 1, 7 + 5], hk[1, slots[0, 1, 5], 1])

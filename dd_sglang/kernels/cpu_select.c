@@ -224,6 +224,94 @@ static void select_top(scored *a, int n, int m) {
     }
 }
 
+/* The m-th largest of v[0..n) (1 <= m <= n); reorders v. */
+static float kth_largest(float *v, int n, int m) {
+    int lo = 0, hi = n - 1, want = m - 1;
+    while (lo < hi) {
+        float pivot = v[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i] = v[j];
+                v[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            return v[want]; /* between the two parts: equal to the pivot */
+    }
+    return v[want];
+}
+
+/* Log-sum-exp of a[0..n) (n >= 1), and out[c] = max_j (a[j n + c] - z[j]) over G rows. */
+#if defined(__AVX512F__)
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+static float lse(const float *a, int n) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(a + c));
+    float mx = _mm512_reduce_max_ps(vm);
+    for (; c < n; c++) mx = a[c] > mx ? a[c] : mx;
+    __m512 vs = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+    for (c = 0; c + 16 <= n; c += 16) vs = _mm512_add_ps(vs, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(a + c), vmx)));
+    float sum = _mm512_reduce_add_ps(vs);
+    for (; c < n; c++) sum += exp_neg(a[c] - mx);
+    return mx + logf(sum);
+}
+static void group_scores(const float *a, int64_t n, int G, const float *z, float *out) {
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        __m512 best = _mm512_sub_ps(_mm512_loadu_ps(a + c), _mm512_set1_ps(z[0]));
+        for (int j = 1; j < G; j++)
+            best = _mm512_max_ps(best, _mm512_sub_ps(_mm512_loadu_ps(a + j * n + c), _mm512_set1_ps(z[j])));
+        _mm512_storeu_ps(out + c, best);
+    }
+    for (; c < n; c++) {
+        float best = a[c] - z[0];
+        for (int j = 1; j < G; j++) best = a[j * n + c] - z[j] > best ? a[j * n + c] - z[j] : best;
+        out[c] = best;
+    }
+}
+#else
+static float lse(const float *a, int n) {
+    float mx = -INFINITY;
+    for (int c = 0; c < n; c++) mx = a[c] > mx ? a[c] : mx;
+    float sum = 0.0f;
+    for (int c = 0; c < n; c++) sum += exp_neg(a[c] - mx);
+    return mx + logf(sum);
+}
+static void group_scores(const float *a, int64_t n, int G, const float *z, float *out) {
+    for (int64_t c = 0; c < n; c++) {
+        float best = a[c] - z[0];
+        for (int j = 1; j < G; j++) best = a[j * n + c] - z[j] > best ? a[j * n + c] - z[j] : best;
+        out[c] = best;
+    }
+}
+#endif
+
 static int by_score_desc(const void *x, const void *y) {
     float a = ((const scored *)x)->v, b = ((const scored *)y)->v;
     if (a > b) return -1;
@@ -243,7 +331,7 @@ static float logaddexp(float a, float b) {
 static void select_head(const float *a, int n, const int32_t *cpos, int G, int D, int k, int m,
                         float scale, const float (*qf)[MAXD], const char *keys_l, int64_t key_row,
                         int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc,
-                        float *e, int64_t *op, int64_t *os) {
+                        float *e, float *sv, float *tmp, int64_t *op, int64_t *os) {
     float z[MAXG], taken[MAXG];
     if (n <= k) { /* not expected (rows have more than k candidates); keep what there is */
         for (int c = 0; c < k; c++) {
@@ -253,26 +341,22 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
         return;
     }
     /* 3. log-sum-exp per query; score = max over the group of the log-probability */
-    for (int j = 0; j < G; j++) {
-        const float *aj = a + (int64_t)j * n;
-        float mx = -INFINITY;
-        for (int c = 0; c < n; c++) mx = aj[c] > mx ? aj[c] : mx;
-        float sum = 0.0f;
-        for (int c = 0; c < n; c++) sum += exp_neg(aj[c] - mx);
-        z[j] = mx + logf(sum);
-    }
-    for (int c = 0; c < n; c++) {
-        float best = a[c] - z[0];
-        for (int j = 1; j < G; j++) {
-            float v = a[(int64_t)j * n + c] - z[j];
-            best = v > best ? v : best;
-        }
-        sc[c].v = best;
-        sc[c].i = c;
-    }
-    /* 4. the mm best candidates (.i: compact index), their approximate mass, then positions */
+    for (int j = 0; j < G; j++) z[j] = lse(a + (int64_t)j * n, n);
+    group_scores(a, n, G, z, sv);
+    /* 4. the mm best candidates, in candidate order (ascending host slots within a run, which
+     * the exact re-ranking then reads in address order), their approximate mass, positions */
     int mm = m < n ? m : n;
-    if (mm < n) select_top(sc, n, mm);
+    if (mm < n) {
+        memcpy(tmp, sv, sizeof(float) * (size_t)n);
+        float thr = kth_largest(tmp, n, mm);
+        int above = 0;
+        for (int c = 0; c < n; c++) above += sv[c] > thr;
+        int ties = mm - above, w = 0;
+        for (int c = 0; c < n; c++)
+            if (sv[c] > thr || (sv[c] == thr && ties-- > 0)) sc[w++].i = c;
+    } else {
+        for (int c = 0; c < n; c++) sc[c].i = c;
+    }
     for (int j = 0; j < G; j++) {
         const float *aj = a + (int64_t)j * n;
         float sum = 0.0f;
@@ -283,7 +367,10 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
     /* 5. exact logits of the mm from the host tier's keys */
     const int esz = key_bf16 ? 2 : 4;
     for (int i = 0; i < mm; i++) {
-        if (i + 8 < mm) __builtin_prefetch(keys_l + (srow[sc[i + 8].i] * key_row + head_off) * esz);
+        if (i + 16 < mm) { /* both 64-byte lines of a 64 x bf16 key (more for wider keys) */
+            const char *nx = keys_l + (srow[sc[i + 16].i] * key_row + head_off) * esz;
+            for (int b = 0; b < D * esz; b += 64) __builtin_prefetch(nx + b);
+        }
         const char *kr = keys_l + (srow[sc[i].i] * key_row + head_off) * esz;
         float dot[MAXG];
 #if SIMD_D > 1
@@ -343,11 +430,13 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     scored *sc = malloc(sizeof(scored) * (size_t)P);
     float *e = malloc(sizeof(float) * (size_t)G * m);
     int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
-    if (!a || !sc || !e || !cpos) {
+    float *sv = malloc(sizeof(float) * 2 * (size_t)P);
+    if (!a || !sc || !e || !cpos || !sv) {
         free(a);
         free(sc);
         free(e);
         free(cpos);
+        free(sv);
         return -1;
     }
     int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
@@ -415,7 +504,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         for (int h = 0; h < H; h++) {
             int64_t o = (((int64_t)l * R + r) * H + h) * k;
             select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])qf[h * G],
-                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, sc, e, out_pos + o,
+                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, sc, e, sv, sv + P, out_pos + o,
                         out_slots + o);
         }
     }
@@ -423,6 +512,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     free(sc);
     free(e);
     free(cpos);
+    free(sv);
     return 0;
 }
 
@@ -450,4 +540,17 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
                                       out_pos, out_slots, t0, t1);
     }
     return rc ? -1 : 0;
+}
+
+/* Row gather for the CPU ring: for i in [0, m), copy row src_rows[i] of src_k / src_v (rows of
+ * `row_bytes`) to row dst_rows[i] of dst_k / dst_v, over `threads` OpenMP threads. One pass, no
+ * temporary (PyTorch's index_select then a strided assignment copies every row twice). */
+void dd_gather_rows(const char *src_k, const char *src_v, char *dst_k, char *dst_v, const int64_t *src_rows,
+                    const int64_t *dst_rows, int64_t m, int64_t row_bytes, int threads) {
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        memcpy(dst_k + dst_rows[i] * row_bytes, src_k + src_rows[i] * row_bytes, (size_t)row_bytes);
+        memcpy(dst_v + dst_rows[i] * row_bytes, src_v + src_rows[i] * row_bytes, (size_t)row_bytes);
+    }
 }

@@ -126,6 +126,8 @@ def load() -> ctypes.CDLL | None:
         lib.dd_spec_host_select.argtypes = [*head, i, i]
         lib.dd_spec_host_select_par.argtypes = [*head, i]
         lib.dd_spec_host_select.restype = lib.dd_spec_host_select_par.restype = ctypes.c_int
+        lib.dd_gather_rows.argtypes = [p, p, p, p, p, p, i64, i64, i]
+        lib.dd_gather_rows.restype = None
         _lib = lib
         return _lib
 
@@ -204,3 +206,31 @@ def spec_host_select(
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")
     return pos_out, slot_out
+
+
+def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+                src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:  # fmt: skip
+    """``dst_k[dst_rows[i]] = src_k[src_rows[i]]`` (and V) for every ``i``, in one pass on PyTorch's threads.
+
+    Args:
+        src_k, src_v: ``[n_src, row]`` contiguous CPU tensors; dst_k, dst_v: ``[n_dst, row]``
+            contiguous, same dtype and row width.
+        src_rows, dst_rows: ``[m]`` int64 row indices, in range (not checked: the caller builds them
+            from the plan).
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded.
+        ValueError: dtypes, row widths or contiguity differ (the message names them).
+    """
+    lib = load()
+    if lib is None:
+        raise NativeUnavailable("the CPU kernels are not built here")
+    if not (src_k.dtype == src_v.dtype == dst_k.dtype == dst_v.dtype):
+        raise ValueError(f"gather_rows: dtypes differ ({src_k.dtype}, {dst_k.dtype})")
+    if not (src_k.shape[1:] == src_v.shape[1:] == dst_k.shape[1:] == dst_v.shape[1:]):
+        raise ValueError(f"gather_rows: row widths differ ({tuple(src_k.shape)}, {tuple(dst_k.shape)})")
+    if not all(t.is_contiguous() for t in (src_k, src_v, dst_k, dst_v, src_rows, dst_rows)):
+        raise ValueError("gather_rows: tensors must be contiguous")
+    row_bytes = src_k[0].numel() * src_k.element_size()
+    lib.dd_gather_rows(_ptr(src_k), _ptr(src_v), _ptr(dst_k), _ptr(dst_v), _ptr(src_rows), _ptr(dst_rows),
+                       int(src_rows.numel()), row_bytes, torch.get_num_threads())  # fmt: skip

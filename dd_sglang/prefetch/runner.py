@@ -53,7 +53,7 @@ import torch
 from dd_sglang.kernels import native as native_kernel
 from dd_sglang.kernels.sparse_decode import fold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.gather import RingGather, flat_rows
+from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
 from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
@@ -166,10 +166,12 @@ class SparseStepRunner:
                                          select_inline=select_inline)  # fmt: skip
         #: Inline selection: each ahead group's selection queries of the layers not yet selected.
         self._pending: list[dict[int, torch.Tensor]] = []
-        self.gather = RingGather(host.k, host.v, self.device, params.gather)
+        self.native = use_native_kernel(params.kernel)
+        self.gather = RingGather(host.k, host.v, self.device, params.gather, self.native)
+        self._res_key: tuple | None = None
+        self._res_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
-        self.native = use_native_kernel(params.kernel)
         self.inputs = PlanInputs(
             req_to_token=req_to_token,
             selectors={name: make_selector(name, params.rerank, self.native) for name in SELECTORS},
@@ -275,6 +277,7 @@ class SparseStepRunner:
         else:
             keys, values = self.ring.slot(layer)
         r = plan.num_rows
+        slot_k, slot_v = keys, values  # the whole slot: [reserved rows, Hkv, reserved columns, D]
         keys, values = keys[:r, :, : plan.columns], values[:r, :, : plan.columns]
         t0 = time.perf_counter()
         for g in plan.sync:
@@ -285,14 +288,32 @@ class SparseStepRunner:
         if plan.sync or plan.repair_rows.numel():
             self.events.phase("select", t1 - t0)
         n_res = plan.n_res
-        keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
-        values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
+        native = self.gather.native and slot_k.is_contiguous() and slot_v.is_contiguous()
+        if native and k_buf.dtype == keys.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
+            src, dst = self._resident_rows(plan, hkv, slot_k.shape)
+            d = k_buf.shape[2]
+            native_kernel.gather_rows(k_buf.view(-1, d), v_buf.view(-1, d), slot_k.view(-1, d), slot_v.view(-1, d),
+                                      src, dst)  # fmt: skip
+        else:
+            keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
+            values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
         if plan.spec_rows.numel():
             keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
             values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
         q = fold_gqa(q3[plan.qidx], hkv)
         self.events.phase("assemble", time.perf_counter() - t1)
         return q, keys, values
+
+    def _resident_rows(self, plan: StepPlan, hkv: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source rows (device pool ``[slots x Hkv, D]`` view) and ring rows of the resident columns
+        ``[0, n_res)`` of every plan row, built once per step (the same for every layer)."""
+        key = (plan, tuple(shape))
+        if self._res_key is None or self._res_key[0] is not plan or self._res_key[1] != key[1]:
+            res = plan.res_slots.to(torch.int64).cpu()  # [R, n_res]
+            src = (res.unsqueeze(1) * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()  # (row, head, column)
+            dst = ring_rows(torch.arange(res.shape[0]), hkv, shape[2], 0, res.shape[1])
+            self._res_key, self._res_rows = key, (src, dst)
+        return self._res_rows
 
     @staticmethod
     def exact_contexts(plan: StepPlan, keys: torch.Tensor, values: torch.Tensor):
