@@ -554,3 +554,93 @@ void dd_gather_rows(const char *src_k, const char *src_v, char *dst_k, char *dst
         memcpy(dst_v + dst_rows[i] * row_bytes, src_v + src_rows[i] * row_bytes, (size_t)row_bytes);
     }
 }
+
+/* The sampled prefetch hit-rate measurement (SparseStepRunner._measure) of one layer: per row r
+ * and KV head h, exact scores of every candidate (p_c = max over the group of the softmax
+ * probability over the row's candidates), the exact top-kr by p, and
+ *   hits[r, h]      = how many of have[r, h, :kr] are in that top-kr,
+ *   mass_have[r, h] = sum of p over have[r, h, :kr],  mass_top[r, h] = sum of p over the top-kr.
+ * q [R, H * G, D] float32; slots / ok [R, P]; keys [S, H, D] (one layer) bfloat16 or float32;
+ * have [R, H, K] int64 positions; kr [R] int64 (<= K). Tasks (r, h) over `threads` threads.
+ * Returns -1 for a shape it does not take. */
+int dd_measure(int R, int H, int G, int D, int P, int K, const float *q, const int64_t *slots, const uint8_t *ok,
+               const void *keys, int key_bf16, const int64_t *have, const int64_t *kr, float scale,
+               int64_t *hits, float *mass_have, float *mass_top, int threads) {
+    if (G > MAXG || D > MAXD) return -1;
+    const int simd = SIMD_D > 1 && D % SIMD_D == 0, esz = key_bf16 ? 2 : 4;
+    if (threads < 1) threads = 1;
+    int rc = 0;
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+        float *a = malloc(sizeof(float) * (size_t)G * P), *p = malloc(sizeof(float) * 2 * (size_t)P);
+        int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P), *at = malloc(sizeof(int32_t) * (size_t)P);
+        if (!a || !p || !cpos || !at) rc = 1;
+#pragma omp for schedule(static)
+        for (int t = 0; t < R * H; t++) {
+            if (rc) continue;
+            int r = t / H, h = t % H;
+            float qf[MAXG][MAXD] __attribute__((aligned(64))), z[MAXG];
+            const float *qrow = q + ((int64_t)r * H * G + (int64_t)h * G) * D;
+            for (int j = 0; j < G; j++)
+                for (int d = 0; d < D; d++) qf[j][d] = qrow[j * D + d];
+            const int64_t *srow = slots + (int64_t)r * P;
+            const uint8_t *okrow = ok + (int64_t)r * P;
+            int n = 0;
+            for (int x = 0; x < P; x++) {
+                at[x] = -1;
+                if (okrow[x]) at[x] = n, cpos[n++] = x;
+            }
+            int64_t *hr = hits + t;
+            float *mh = mass_have + t, *mt = mass_top + t;
+            *hr = 0, *mh = 0.0f, *mt = 0.0f;
+            int k = (int)kr[r];
+            if (n == 0 || k < 1) continue;
+            for (int c = 0; c < n; c++) {
+                if (c + 8 < n) __builtin_prefetch((const char *)keys + ((srow[cpos[c + 8]] * H + h) * D) * esz);
+                const char *kp = (const char *)keys + ((srow[cpos[c]] * H + h) * D) * esz;
+                float dot[MAXG];
+#if SIMD_D > 1
+                if (simd && key_bf16)
+                    dots_bf16((const uint16_t *)kp, (const float(*)[MAXD])qf, G, D, dot);
+                else if (simd)
+                    dots_f32((const float *)kp, (const float(*)[MAXD])qf, G, D, dot);
+                else
+#endif
+                    dots_float_ref(kp, key_bf16, (const float(*)[MAXD])qf, G, D, dot);
+                for (int j = 0; j < G; j++) a[(int64_t)j * n + c] = dot[j] * scale;
+            }
+            for (int j = 0; j < G; j++) z[j] = lse(a + (int64_t)j * n, n);
+            group_scores(a, n, G, z, p);
+            for (int c = 0; c < n; c++) p[c] = expf(p[c]);
+            int kk = k < n ? k : n;
+            float thr = -INFINITY; /* k >= n: every candidate is in the top */
+            if (k < n) {
+                memcpy(p + P, p, sizeof(float) * (size_t)n);
+                thr = kth_largest(p + P, n, k);
+            }
+            float sum_above = 0.0f;
+            int above = 0;
+            for (int c = 0; c < n; c++)
+                if (p[c] > thr) sum_above += p[c], above++;
+            int ties = kk - above; /* top-k members equal to the threshold */
+            *mt = sum_above + (ties > 0 ? ties * thr : 0.0f);
+            const int64_t *hv = have + (int64_t)t * K;
+            int tie_hits = 0;
+            for (int i = 0; i < k && i < K; i++) {
+                int64_t x = hv[i];
+                int c = (x >= 0 && x < P) ? at[x] : -1;
+                if (c < 0) continue;
+                *mh += p[c];
+                if (p[c] > thr)
+                    (*hr)++;
+                else if (p[c] == thr && tie_hits < ties)
+                    (*hr)++, tie_hits++;
+            }
+        }
+        free(a);
+        free(p);
+        free(cpos);
+        free(at);
+    }
+    return rc ? -1 : 0;
+}

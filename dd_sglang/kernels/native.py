@@ -128,6 +128,8 @@ def load() -> ctypes.CDLL | None:
         lib.dd_spec_host_select.restype = lib.dd_spec_host_select_par.restype = ctypes.c_int
         lib.dd_gather_rows.argtypes = [p, p, p, p, p, p, i64, i64, i]
         lib.dd_gather_rows.restype = None
+        lib.dd_measure.argtypes = [i, i, i, i, i, i, p, p, p, p, i, p, p, f, p, p, p, i]
+        lib.dd_measure.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -234,3 +236,47 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     row_bytes = src_k[0].numel() * src_k.element_size()
     lib.dd_gather_rows(_ptr(src_k), _ptr(src_v), _ptr(dst_k), _ptr(dst_v), _ptr(src_rows), _ptr(dst_rows),
                        int(src_rows.numel()), row_bytes, torch.get_num_threads())  # fmt: skip
+
+
+def measure_hits(q: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, keys: torch.Tensor, have: torch.Tensor,
+                 top_k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The prefetch hit-rate measurement of one layer (``dd_measure`` in ``cpu_select.c``).
+
+    Per row and KV head: the exact top-``top_k[row]`` of the real query (exact scores of every
+    candidate, DESIGN.md's GQA rule), how many of the first ``top_k[row]`` prefetched positions
+    ``have`` are in it, and the softmax mass on each set.
+
+    Args:
+        q: ``[rows, Hkv x G, D]`` the real queries; slots, ok: ``[rows, P]`` candidates.
+        keys: one layer's host keys ``[S, Hkv, D]``, bfloat16 or float32, contiguous.
+        have: ``[rows, Hkv, K]`` int64 prefetched positions; top_k: ``[rows]`` int64 (``<= K``).
+
+    Returns:
+        ``(hits, mass_have, mass_top)``, each ``[rows, Hkv]`` (int64, float32, float32).
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded. ValueError: shapes it does not take.
+    """
+    lib = load()
+    if lib is None:
+        raise NativeUnavailable("the CPU kernels are not built here")
+    rows, hkv, d = slots.shape[0], keys.shape[1], keys.shape[2]
+    if q.shape[0] != rows or q.shape[1] % hkv or q.shape[2] != d or have.shape[:2] != (rows, hkv):
+        raise ValueError(f"measure_hits: q {tuple(q.shape)}, keys {tuple(keys.shape)}, have {tuple(have.shape)}, "
+                         f"{rows} rows do not agree")  # fmt: skip
+    if keys.dtype not in (torch.bfloat16, torch.float32) or not keys.is_contiguous():
+        raise ValueError(f"measure_hits: keys must be contiguous bfloat16 or float32, got {keys.dtype}")
+    g = q.shape[1] // hkv
+    if g > MAX_QUERIES or d > MAX_HEAD_DIM:
+        raise ValueError(f"measure_hits: at most {MAX_QUERIES} queries per KV head and head_dim {MAX_HEAD_DIM}")
+    qf = q.to(torch.float32).contiguous()
+    sl, okb = slots.to(torch.int64).contiguous(), ok.to(torch.uint8).contiguous()
+    hv, kr = have.to(torch.int64).contiguous(), top_k.to(torch.int64).contiguous()
+    hits = torch.zeros(rows, hkv, dtype=torch.int64)
+    mass_have, mass_top = torch.zeros(rows, hkv), torch.zeros(rows, hkv)
+    rc = lib.dd_measure(rows, hkv, g, d, sl.shape[1], hv.shape[2], _ptr(qf), _ptr(sl), _ptr(okb), _ptr(keys),
+                        int(keys.dtype == torch.bfloat16), _ptr(hv), _ptr(kr), float(scale), _ptr(hits),
+                        _ptr(mass_have), _ptr(mass_top), torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError("measure_hits: the kernel refused the shapes")
+    return hits, mass_have, mass_top

@@ -366,7 +366,9 @@ class SparseStepRunner:
             # first `budget` not held are the best `budget` not held among all re-ranked candidates.
             pos, slots = self._repair_scorer.select(q, blocks, self.host.k[layer], plan.k + budget, scale,
                                                     self.index("host"), layer)  # fmt: skip
-            held = ((pos.unsqueeze(-1) == have.unsqueeze(-2)) & valid.unsqueeze(-2)).any(dim=-1)
+            held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
+            held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
+            held = held.gather(2, pos)
             rank = torch.arange(pos.shape[-1]).expand_as(pos).masked_fill(held, pos.shape[-1])
             top = rank.topk(budget, dim=-1, largest=False, sorted=True).indices
         else:
@@ -428,21 +430,31 @@ class SparseStepRunner:
         rows = plan.sampled
         blocks = plan.blocks.take(rows)
         host_k = self.host.k[layer]
-        _, _, score = self._exact.score(q, blocks, host_k, plan.k, scale, None, layer)
-        prob = score.exp()  # [n, Hkv, P]: position p at index p
         kr = plan.top_k[rows].view(-1, 1, 1)
-        top = prob.topk(plan.k, dim=-1)
-        valid = torch.arange(plan.k) < kr  # [n, 1, k]
         have = plan.fixed_pos[layer][rows]
-        hit = (have.unsqueeze(-1) == top.indices.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
-        hits = hit.any(dim=-1).sum(dim=(1, 2))
-        mass_have = (prob.gather(-1, have) * valid).sum(dim=(1, 2))
-        mass_top = (top.values * valid).sum(dim=(1, 2))
         hkv = have.shape[1]
+        if self.native:
+            slots, ok = blocks.tokens
+            h, mh, mt = native_kernel.measure_hits(q, slots, ok, host_k, have, kr.flatten(), scale)
+            hits, mass_have, mass_top = h.sum(dim=1), mh.sum(dim=1), mt.sum(dim=1)
+        else:
+            hits, mass_have, mass_top = self._measure_torch(plan, blocks, host_k, q, kr, have, scale)
         for i, j in enumerate(rows.tolist()):
             sel, spec = plan.labels[j]
             self.events.prefetch(sel, spec, layer, int(hits[i]), hkv * int(kr[i]),
                                  float(mass_have[i]), float(mass_top[i]))  # fmt: skip
+
+    def _measure_torch(self, plan, blocks, host_k, q, kr, have, scale):
+        """:meth:`_measure`'s counts with PyTorch operations: ``(hits, mass_have, mass_top)`` per row."""
+        _, _, score = self._exact.score(q, blocks, host_k, plan.k, scale, None, 0)
+        prob = score.exp()  # [n, Hkv, P]: position p at index p
+        top = prob.topk(plan.k, dim=-1)
+        valid = torch.arange(plan.k) < kr  # [n, 1, k]
+        hit = (have.unsqueeze(-1) == top.indices.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
+        hits = hit.any(dim=-1).sum(dim=(1, 2))
+        mass_have = (prob.gather(-1, have) * valid).sum(dim=(1, 2))
+        mass_top = (top.values * valid).sum(dim=(1, 2))
+        return hits, mass_have, mass_top
 
     def end_step(self) -> None:
         """Finish the step's copies (no layer left to wait for them)."""
