@@ -550,6 +550,10 @@ void dd_gather_rows(const char *src_k, const char *src_v, char *dst_k, char *dst
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < m; i++) {
+        if (i + 16 < m) { /* the rows are scattered over the host tier: fetch ahead, K and V */
+            const char *nk = src_k + src_rows[i + 16] * row_bytes, *nv = src_v + src_rows[i + 16] * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(nk + b), __builtin_prefetch(nv + b);
+        }
         memcpy(dst_k + dst_rows[i] * row_bytes, src_k + src_rows[i] * row_bytes, (size_t)row_bytes);
         memcpy(dst_v + dst_rows[i] * row_bytes, src_v + src_rows[i] * row_bytes, (size_t)row_bytes);
     }

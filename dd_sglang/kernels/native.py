@@ -210,6 +210,15 @@ def spec_host_select(
     return pos_out, slot_out
 
 
+#: Bytes (K or V) below which a copy runs on the calling thread alone: waking PyTorch's OpenMP
+#: workers costs more than the copy (a 1-row SmolLM2 step's layer moves 768 x 128 B).
+GATHER_SERIAL_BYTES = 1 << 20
+
+
+def _gather_threads(nbytes: int) -> int:
+    return 1 if nbytes < GATHER_SERIAL_BYTES else torch.get_num_threads()
+
+
 def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                 src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:  # fmt: skip
     """``dst_k[dst_rows[i]] = src_k[src_rows[i]]`` (and V) for every ``i``, in one pass on PyTorch's threads.
@@ -235,7 +244,7 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
         raise ValueError("gather_rows: tensors must be contiguous")
     row_bytes = src_k[0].numel() * src_k.element_size()
     lib.dd_gather_rows(_ptr(src_k), _ptr(src_v), _ptr(dst_k), _ptr(dst_v), _ptr(src_rows), _ptr(dst_rows),
-                       int(src_rows.numel()), row_bytes, torch.get_num_threads())  # fmt: skip
+                       int(src_rows.numel()), row_bytes, _gather_threads(int(src_rows.numel()) * row_bytes))  # fmt: skip
 
 
 def measure_hits(q: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, keys: torch.Tensor, have: torch.Tensor,
