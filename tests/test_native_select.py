@@ -19,6 +19,27 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU selectio
                                 f"{native.unavailable_reason()}")  # fmt: skip
 
 
+@pytest.fixture(params=["native", "haswell", "x86-64"], scope="module")
+def march(request, tmp_path_factory):
+    """Each test runs on the library built for this CPU, for AVX2 (no AVX-512: ``haswell``) and
+    for plain x86-64 (no SIMD path): CI may land on a machine with any of them. A target this
+    machine cannot run is skipped."""
+    if request.param != "native":
+        import platform
+
+        if platform.machine() != "x86_64":
+            pytest.skip("x86 targets only")
+        flags = native._cpu_flags()
+        if request.param == "haswell" and not all(f in flags.split() for f in ("avx2", "fma")):
+            pytest.skip("this CPU has no AVX2/FMA")
+        try:
+            native.load(native.build(tmp_path_factory.mktemp("native"), march=request.param))
+        except native.NativeUnavailable as err:
+            pytest.skip(f"cannot build for {request.param}: {err}")
+    yield request.param
+    native.load(native.build())  # back to this CPU's build
+
+
 def _case(lens, d, dtype, seed, hq=9, hkv=3, layers=3, n_keep=0):
     """Host tier over shuffled 64-slot pages (as HostSparseKVPool allocates), its int8 index, rows."""
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +72,7 @@ def _same_sets(a, b):
     [(64, torch.bfloat16, 9), (64, torch.float32, 9), (16, torch.bfloat16, 9), (128, torch.bfloat16, 32),
      (64, torch.bfloat16, 18)],  # fmt: skip
 )
-def test_native_selection_chooses_the_pytorch_sets(d, dtype, hq):
+def test_native_selection_chooses_the_pytorch_sets(d, dtype, hq, march):
     """SIMD (head_dim 64, 128) and plain (16) paths, bf16 and float32 tiers, two riding queries
     (18 query vectors over 3 KV heads), rows of different lengths over shuffled pages with kept
     tokens: every (layer, row, KV head) set equals PyTorch's, with the same slots, best first."""
@@ -76,7 +97,7 @@ def test_native_selection_chooses_the_pytorch_sets(d, dtype, hq):
     assert (ranked[..., :-1] >= ranked[..., 1:] - 1e-5).all()
 
 
-def test_native_selection_splits_over_threads_like_one_call():
+def test_native_selection_splits_over_threads_like_one_call(march):
     """The two-thread split (first half of the tasks here, second on the helper) gives the sets of
     a single-layer call per layer."""
     host_k, idx, rows, q = _case([1300, 1700], 64, torch.bfloat16, seed=4, layers=4)
@@ -123,7 +144,7 @@ def test_build_without_a_compiler_says_so(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("rows", [slice(0, 3), torch.tensor([2, 0])])
-def test_ring_gather_copies_the_same_bytes_as_pytorch(rows):
+def test_ring_gather_copies_the_same_bytes_as_pytorch(rows, march):
     """The CPU ring copy through the C kernel writes exactly what PyTorch's index_select path does,
     for the fixed rows (a slice) and for a few rows (repairs), and nothing else of the slot."""
     from dd_sglang.prefetch.gather import RingGather, flat_rows
@@ -146,7 +167,7 @@ def test_ring_gather_copies_the_same_bytes_as_pytorch(rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_hit_rate_measurement_counts_like_pytorch(dtype):
+def test_hit_rate_measurement_counts_like_pytorch(dtype, march):
     """The sampled hit-rate measurement: hits, mass on the prefetched set and on the exact top-k,
     per row (summed over KV heads), equal to the PyTorch version's; rows with different top_k."""
     from types import SimpleNamespace

@@ -72,8 +72,11 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build(cache: Path | None = None) -> Path:
+def build(cache: Path | None = None, march: str = "native") -> Path:
     """Compile ``cpu_select.c`` (once per source, flags and CPU) and return the library's path.
+
+    ``march``: the ``-march`` target (tests build ``haswell`` and ``x86-64`` too, to check the
+    AVX2 and plain-C paths a machine without AVX-512 runs).
 
     Raises:
         NativeUnavailable: no C compiler (``$CC`` or ``cc``), or the compiler failed (its
@@ -83,7 +86,8 @@ def build(cache: Path | None = None) -> Path:
     if shutil.which(cc) is None:
         raise NativeUnavailable(f"no C compiler ({cc!r} not on PATH)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    key = hashlib.sha256(src + " ".join(flags).encode() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = cache or _cache_dir()
     lib = out_dir / f"cpu_select-{key}.so"
     if lib.exists():
@@ -95,7 +99,7 @@ def build(cache: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         if proc.returncode != 0:
             raise NativeUnavailable(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
@@ -108,15 +112,19 @@ def build(cache: Path | None = None) -> Path:
     return lib
 
 
-def load() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first call; None (logged once, with the reason) where it cannot be."""
+def load(path: Path | None = None) -> ctypes.CDLL | None:
+    """The loaded kernel, built on first call; None (logged once, with the reason) where it cannot be.
+
+    ``path``: load this library instead (a test switching to a build for another ``-march``);
+    it replaces the one loaded before.
+    """
     global _lib, _tried, _why
     with _lock:
-        if _tried:
+        if _tried and path is None:
             return _lib
         _tried = True
         try:
-            lib = ctypes.CDLL(str(build()))
+            lib = ctypes.CDLL(str(path or build()))
         except (NativeUnavailable, OSError) as err:
             _why = str(err)
             log.warning("dd_sglang: CPU selection kernel unavailable, using PyTorch: %s", err)
