@@ -1,7 +1,8 @@
-/* dd_sglang CPU selection kernel: the spec_host selector's whole pipeline for one
- * (layer, row, KV head) per task, compiled at first use by dd_sglang/kernels/native.py
- * (cc -O3 -march=native) and called through ctypes (which releases the GIL, so two
- * threads can run halves of a step's tasks).
+/* dd_sglang CPU kernels: the spec_host selector's whole pipeline, one (layer, row) per task
+ * (dd_spec_host_select, dd_spec_host_select_par), the sampled hit-rate measurement
+ * (dd_measure) and the ring row copy (dd_gather_rows). Compiled at first use by
+ * dd_sglang/kernels/native.py (cc -O3 -march=native -fopenmp) and called through ctypes;
+ * the parallel entry points run on the OpenMP threads of the libgomp PyTorch loaded.
  *
  * Per task, the same arithmetic as SpecHostSelector.score_layers + Selector.select_layers
  * (dd_sglang/prefetch/selectors.py), in float32:
@@ -173,7 +174,9 @@ static inline void dots_float_ref(const void *k, int bf16, const float (*q)[MAXD
 }
 
 /* exp(x) for x <= 0 (arguments here are logits less their max): Cody-Waite range
- * reduction and a degree-6 polynomial, ~2 ulp, branch-free so loops over it vectorise.
+ * reduction (ln 2 split as 0.693359375 - 2.12194440e-4) and the degree-6 minimax polynomial
+ * of Cephes' expf (S. L. Moshier, Cephes Math Library), ~2 ulp, branch-free so loops over it
+ * vectorise.
  * Below -87 it returns 0. */
 static inline float exp_neg(float x) {
     x = x < -87.0f ? -87.0f : x;

@@ -1,13 +1,17 @@
-"""The CPU selection kernel (``cpu_select.c``): built at first use with the system C compiler.
+"""The CPU kernels (``cpu_select.c``): built at first use with the system C compiler.
 
-What it computes is ``spec_host``'s whole selection for a chunk of layers, every row and KV
-head (:func:`spec_host_select`), the same arithmetic as
-:meth:`dd_sglang.prefetch.selectors.SpecHostSelector.score_layers` followed by the top-k,
-one task per (layer, row, KV head) with no tensor of intermediate scores: the PyTorch version
-dispatches ~40 operations per chunk and writes every candidate's score for every query head
-to memory and back. ``tests/test_native_select.py`` checks that both choose the same sets.
+* :func:`spec_host_select`: ``spec_host``'s whole selection for a chunk of layers, every row
+  and KV head, the same arithmetic as
+  :meth:`dd_sglang.prefetch.selectors.SpecHostSelector.score_layers` followed by the top-k,
+  one task per (layer, row) with no tensor of intermediate scores (the PyTorch version
+  dispatches ~40 operations per chunk and writes every candidate's score for every query head
+  to memory and back); also the repairs' scoring.
+* :func:`measure_hits`: the sampled prefetch hit-rate measurement of one layer.
+* :func:`gather_rows`: a row copy into the layer ring (each row once, no temporary).
 
-**Build.** ``cc -O3 -march=native -shared -fPIC`` (the compiler from ``$CC``, else ``cc``)
+``tests/test_native_select.py`` checks each against its PyTorch counterpart.
+
+**Build.** ``cc -O3 -march=native -fPIC -shared -fopenmp`` (the compiler from ``$CC``, else ``cc``)
 into ``$DD_SGLANG_CACHE/native/`` (default ``~/.cache/dd_sglang``), once per source, flags
 and CPU (the file name carries a hash of the three), written to a temporary name and
 renamed, so concurrent processes never load a half-written library. ``-march=native``: the
