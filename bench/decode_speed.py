@@ -40,6 +40,10 @@ With ``--select-worker`` a third server runs the same preset with
 ``prefetch.select: worker`` (the next step's selection on the select worker
 thread instead of inline on the forward thread, a CPU's default) and each
 cell's sparse default again there (``dualdecoder_sparse_select_worker``).
+With ``--torch-kernel`` another server runs the preset with ``prefetch.kernel:
+torch`` (every C path off: PyTorch selection, measurement and copies), its
+runs as ``dualdecoder_sparse_torch_kernel`` and ``native_over_torch_kernel``
+the C kernel's tokens/s over it.
 Ratios are sparse over dense measured in this run; absolute times on a shared
 CPU are noise. Nothing here is a pass/fail test.
 """
