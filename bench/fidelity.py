@@ -256,6 +256,8 @@ def run(args) -> dict:
                                     "steps": args.agree_tokens - 1, "prefetch": c.prefetch(custom, n_layers),
                                     "seconds": round(g["seconds"], 2)})  # fmt: skip
     timing["sparse_phase_s"] = round(time.monotonic() - t0, 1)
+    if not any(tmp.iterdir()):  # servers started here leave their logs there; else it is empty
+        tmp.rmdir()
     return summarize(args, contexts, fractions, texts, configs, trial_cases, dense, records, cell_seconds,
                      timing, n_layers)  # fmt: skip
 

@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
     write_result(result, args.out)
+    if tmp.is_dir() and not any(tmp.iterdir()):  # servers of their own leave their logs there; else nothing
+        tmp.rmdir()
     return 0
 
 
