@@ -24,7 +24,8 @@ is built with ``-fopenmp`` and binds to the ``libgomp.so.1`` PyTorch has already
 these are PyTorch's own intra-op threads. A thread pool of its own (tried first: half the
 tasks on a Python helper thread, ctypes releasing the GIL) competed with PyTorch's workers,
 which spin between operations: in the server the selection then took longer than PyTorch's
-(136 against 94 ms a step at 4k x 8, ``bench.decode_speed --torch-kernel``).
+(136 against 94 ms a step at 4k x 8, in a run of ``bench.decode_speed --torch-kernel`` whose
+JSON was replaced by the next run's).
 
 Imports no other dd_sglang layer.
 """
@@ -222,8 +223,9 @@ def spec_host_select(
     return pos_out, slot_out
 
 
-#: Bytes (K or V) below which a copy runs on the calling thread alone: waking PyTorch's OpenMP
-#: workers costs more than the copy (a 1-row SmolLM2 step's layer moves 768 x 128 B).
+#: Bytes (K or V) below which a copy runs on the calling thread alone (a 1-row SmolLM2 step's
+#: layer moves 768 x 128 B). A second thread gained nothing measurable at that size: the
+#: server's copy phase was 3.5 ms a step at 4k x 1 either way (an uncommitted dev script).
 GATHER_SERIAL_BYTES = 1 << 20
 
 

@@ -168,7 +168,8 @@ class SparseStepRunner:
         self._pending: list[dict[int, torch.Tensor]] = []
         self.native = use_native_kernel(params.kernel)
         self.gather = RingGather(host.k, host.v, self.device, params.gather, self.native)
-        self._res_key: tuple | None = None
+        #: :meth:`_resident_rows`' last ``(plan, slot shape)`` and its rows.
+        self._res_for: tuple | None = None
         self._res_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
@@ -307,12 +308,11 @@ class SparseStepRunner:
     def _resident_rows(self, plan: StepPlan, hkv: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
         """Source rows (device pool ``[slots x Hkv, D]`` view) and ring rows of the resident columns
         ``[0, n_res)`` of every plan row, built once per step (the same for every layer)."""
-        key = (plan, tuple(shape))
-        if self._res_key is None or self._res_key[0] is not plan or self._res_key[1] != key[1]:
-            res = plan.res_slots.to(torch.int64).cpu()  # [R, n_res]
-            src = (res.unsqueeze(1) * hkv + torch.arange(hkv).view(1, hkv, 1)).flatten()  # (row, head, column)
+        if self._res_for is None or self._res_for[0] is not plan or self._res_for[1] != shape:  # plan: identity
+            res = plan.res_slots.to(torch.int64).cpu()  # [R, n_res], the same slots for every KV head
+            src = flat_rows(res.unsqueeze(1).expand(-1, hkv, -1))  # (row, head, column) order
             dst = ring_rows(torch.arange(res.shape[0]), hkv, shape[2], 0, res.shape[1])
-            self._res_key, self._res_rows = key, (src, dst)
+            self._res_for, self._res_rows = (plan, shape), (src, dst)
         return self._res_rows
 
     @staticmethod
@@ -361,22 +361,19 @@ class SparseStepRunner:
         budget = plan.repair_budget
         have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
         valid = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
+        held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
+        held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
         if self._repair_scorer.native:
             # The k + budget best of the real query, best first: at most k of them are held, so the
             # first `budget` not held are the best `budget` not held among all re-ranked candidates.
             pos, slots = self._repair_scorer.select(q, blocks, self.host.k[layer], plan.k + budget, scale,
                                                     self.index("host"), layer)  # fmt: skip
-            held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
-            held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
-            held = held.gather(2, pos)
-            rank = torch.arange(pos.shape[-1]).expand_as(pos).masked_fill(held, pos.shape[-1])
+            rank = torch.arange(pos.shape[-1]).expand_as(pos).masked_fill(held.gather(2, pos), pos.shape[-1])
             top = rank.topk(budget, dim=-1, largest=False, sorted=True).indices
         else:
             pos, slots, score = self._repair_scorer.score(
                 q, blocks, self.host.k[layer], plan.k + budget, scale, self.index("host"), layer
             )
-            held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
-            held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
             top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
         self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
         self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
