@@ -16,6 +16,7 @@ SGLang's allocator and radix tree, host-tier accounting from the host pool).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -249,20 +250,26 @@ def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(d
     assert delta(after, before, 'dd_prefetch_misses_total{policy="use_prefetched"}') == 0
 
 
-def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 40, at: int = 20) -> tuple[str, dict]:
-    """Stream a greedy completion; scrape the metrics once ``at`` tokens have arrived (mid-decode)."""
-    text, sample = "", {}
+@contextlib.contextmanager
+def completion_stream(srv, prompt: str, max_tokens: int, **body):
+    """A streamed greedy ``/v1/completions`` request (``body``: more request fields); yields an
+    iterator over its ``data: {...}`` lines (one per token chunk). Leaving the block closes the
+    connection, mid-stream if the caller stopped reading (a client disconnect)."""
     with httpx.stream(
         "POST",
         f"{srv.url}/v1/completions",
-        json={"model": "x", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
-              "stream": True, "custom_params": custom},
+        json={"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **body},
         timeout=600,
-    ) as resp:  # fmt: skip
+    ) as resp:
+        yield (line for line in resp.iter_lines() if line.startswith("data: {"))
+
+
+def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 40, at: int = 20) -> tuple[str, dict]:
+    """Stream a greedy completion; scrape the metrics once ``at`` tokens have arrived (mid-decode)."""
+    text, sample = "", {}
+    with completion_stream(srv, prompt, n_tokens, ignore_eos=True, custom_params=custom) as lines:
         seen = 0
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
+        for line in lines:
             seen += 1
             text += json.loads(line[6:])["choices"][0]["text"]
             if seen == at:
@@ -362,16 +369,8 @@ def test_mixed_batch_dense_rows_match_dense(dd_server, server, tokenizer):
     ]
     before = metrics(dd_server)
     got: dict = {}
-    with httpx.stream(
-        "POST",
-        f"{dd_server.url}/v1/completions",
-        json={"model": "x", "prompt": prompt, "max_tokens": 96, "temperature": 0, "stream": True},
-        timeout=600,
-    ) as resp:
-        lines = resp.iter_lines()
-        for line in lines:  # wait for the first streamed token: the long request is decoding
-            if line.startswith("data: {"):
-                break
+    with completion_stream(dd_server, prompt, 96) as lines:
+        next(lines)  # wait for the first streamed token: the long request is decoding
         t = threading.Thread(
             target=lambda: got.update(
                 httpx.post(f"{dd_server.url}/v1/completions", json=short, timeout=300).json()
@@ -521,18 +520,10 @@ def test_no_leaks_after_50_requests(dd_server, tokenizer):
 
     def aborted(i):
         prompt = long_prompts[3 + i % 3] if i < 3 else f"Write a long story about the number {i}."
-        with httpx.stream(
-            "POST",
-            f"{dd_server.url}/v1/completions",
-            json={"model": "x", "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True},
-            timeout=600,
-        ) as resp:
-            n = 0
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    n += 1
-                    if n >= 3:
-                        break  # client disconnects mid-stream
+        with completion_stream(dd_server, prompt, 400) as lines:
+            for n, _ in enumerate(lines, 1):
+                if n >= 3:
+                    break  # client disconnects mid-stream
         record(-1)
 
     def rejected(_i):
