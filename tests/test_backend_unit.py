@@ -138,9 +138,9 @@ class Harness:
         n_tok = fb.input_ids.numel()
         qs, outs = [], []
         for i in range(LAYERS):
-            q = torch.randn(n_tok, HQ * D, generator=self.gen)
-            k = torch.randn(n_tok, HKV * D, generator=self.gen)
-            v = torch.randn(n_tok, HKV * D, generator=self.gen)
+            # Views of one fused projection, strided as SGLang's ``qkv.split`` gives them.
+            qkv = torch.randn(n_tok, (HQ + 2 * HKV) * D, generator=self.gen)
+            q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
             self.k_all[i] = torch.cat([self.k_all[i], k[:1].view(1, HKV, D)])
             self.v_all[i] = torch.cat([self.v_all[i], v[:1].view(1, HKV, D)])
             out = self.backend.forward_decode(q, k, v, _layer(i), fb)
@@ -188,16 +188,26 @@ def test_top_k_covering_the_context_is_sglang_dense_decode_bit_for_bit_and_no_to
     assert h.backend.runner.store.get("r1").spec.proposed == 0
 
 
-def test_the_speculated_position_reads_the_rows_set_and_its_own_kv():
+def _kernel_params(kernel: str, **kw) -> PrefetchParams:
+    """Prefetch params for ``prefetch.kernel`` = ``kernel`` (``native``: skipped where it cannot be built)."""
+    if kernel == "native" and not native_kernel.available():
+        pytest.skip(f"no CPU selection kernel here: {native_kernel.unavailable_reason()}")
+    return PrefetchParams(hit_rate_sample=0.0, kernel=kernel, **kw)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
     """Below full coverage a token rides; its query reads the row's resident and critical set (chosen a
-    step ahead by the previous speculated query) plus its own K/V column."""
-    h = Harness(top_k=24, selector="spec_host_exact")
+    step ahead by the previous speculated query) plus its own K/V column. ``native``: the per-layer
+    moves are the C row copies and single indexed copies (``prefetch/layer_rows.py``)."""
+    h = Harness(_kernel_params(kernel), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
     resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
     fb, qs, outs = h.step()
     assert fb.input_ids.numel() == 2
+    assert h.backend.runner.fast == (kernel == "native")
     n = h.req.kv.kv_committed_len
     for i in range(LAYERS):
         q, k, v = qs[i]
@@ -207,10 +217,10 @@ def test_the_speculated_position_reads_the_rows_set_and_its_own_kv():
         torch.testing.assert_close(outs[i][1].double(), _attend_sets(q[1], ks, vs, own), atol=1e-4, rtol=1e-4)
 
 
-def test_two_riding_tokens_each_read_the_rows_set_and_their_own_kv():
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_two_riding_tokens_each_read_the_rows_set_and_their_own_kv(kernel):
     """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, branches=2, confident=0.99), top_k=24,
-                selector="spec_host_exact")  # fmt: skip
+    h = Harness(_kernel_params(kernel, branches=2, confident=0.99), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded
@@ -251,14 +261,16 @@ def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query(
                                        atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("select,chunk", [("inline", 10), ("inline", 1), ("worker", 10)])
-def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select, chunk, monkeypatch):
+def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select, chunk, kernel,
+                                                                                   monkeypatch):  # fmt: skip
     """Inline, the next step's sets are chosen in chunks of layers (all at once, one at a time); on
     the worker, per layer: every way gives each layer the set its own speculated query chose."""
     from dd_sglang.prefetch import runner
 
     monkeypatch.setattr(runner, "SELECT_CHUNK_LAYERS", chunk)
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, select=select), top_k=24, selector="spec_host_exact")
+    h = Harness(_kernel_params(kernel, select=select), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen
     fb, qs_prev, _ = h.step()  # cold: selects from the current query, queues next step's sets

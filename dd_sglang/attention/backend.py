@@ -46,7 +46,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from dd_sglang.attention.step import BackendEvents, DecodeStep, finish_step
 from dd_sglang.kernels.dispatch import SparseAttention
-from dd_sglang.kernels.sparse_decode import dense_decode_attention, unfold_gqa
+from dd_sglang.kernels.sparse_decode import dense_decode_attention
 from dd_sglang.kvcache.dualpath import PathState
 from dd_sglang.kvcache.params import SparseParams
 from dd_sglang.kvcache.sparse_runtime import SparseRuntime
@@ -222,18 +222,12 @@ class DualDecoderAttnBackend(AttentionBackend):
             layer.scaling,
         )  # fmt: skip
         t1 = time.perf_counter()
-        o = unfold_gqa(self.attention.run(qf, keys, values, layer.scaling), plan.positions)
-        o = o.to(out.dtype)
-        out[plan.rows.to(out.device)] = o[:, 0]
-        if plan.spec_rows.numel():
-            out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
+        runner.scatter_output(plan, self.attention.run(qf, keys, values, layer.scaling), out)
         for b, kb, vb in runner.exact_contexts(plan, keys, values):  # set = whole context: dense's own call
             out[b] = dense_decode_attention(q3[b], kb, vb, layer.scaling).to(out.dtype)
         step.attention_s += time.perf_counter() - t1
+        step.sparse_layers += 1
         runner.layer_done(plan, hl, q3, layer.scaling)
-        self.events.sparse_rows(plan.num_rows)
-        if plan.exact_rows:
-            self.events.exact_rows(len(plan.exact_rows))
         return out.view(-1, hq * dv)
 
     def _dense_rows(self, step: DecodeStep, q3, k3, v3, out, layer, fb, **kwargs) -> None:

@@ -40,6 +40,8 @@ class DecodeStep:
     events: BackendEvents
     started: float
     attention_s: float = 0.0
+    #: Layers that ran the plan's sparse rows (their counts are reported once, at the step's end).
+    sparse_layers: int = 0
 
 
 def finish_step(output, forward_batch) -> None:
@@ -66,5 +68,9 @@ def finish_step(output, forward_batch) -> None:
             hs = getattr(output, "hidden_states", None)
             if isinstance(hs, torch.Tensor) and hs.shape[0] == n + extra:
                 output.hidden_states = hs[:n]
+    if plan is not None and step.sparse_layers:
+        step.events.sparse_rows(plan.num_rows * step.sparse_layers)
+        if plan.exact_rows:
+            step.events.exact_rows(len(plan.exact_rows) * step.sparse_layers)
     step.events.phase("attention", step.attention_s)
     step.events.step("sparse" if plan is not None else "dense", time.perf_counter() - step.started)

@@ -141,6 +141,8 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
         lib.dd_spec_host_select.restype = lib.dd_spec_host_select_par.restype = ctypes.c_int
         lib.dd_gather_rows.argtypes = [p, p, p, p, p, p, i64, i64, i]
         lib.dd_gather_rows.restype = None
+        lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
+        lib.dd_copy_rows.restype = None
         lib.dd_measure.argtypes = [i, i, i, i, i, i, p, p, p, p, i, p, p, f, p, p, p, i]
         lib.dd_measure.restype = ctypes.c_int
         _lib = lib
@@ -259,6 +261,40 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     row_bytes = src_k[0].numel() * src_k.element_size()
     lib.dd_gather_rows(_ptr(src_k), _ptr(src_v), _ptr(dst_k), _ptr(dst_v), _ptr(src_rows), _ptr(dst_rows),
                        int(src_rows.numel()), row_bytes, _gather_threads(int(src_rows.numel()) * row_bytes))  # fmt: skip
+
+
+def gather_rows_unchecked(src_k: int, src_v: int, dst_k: int, dst_v: int, src_rows: torch.Tensor,
+                          dst_rows: torch.Tensor, row_bytes: int) -> None:  # fmt: skip
+    """:func:`gather_rows` by address, for a caller that checked its buffers once per step.
+
+    ``src_k`` ... ``dst_v``: data pointers (``tensor.data_ptr()``) of buffers whose rows are
+    ``row_bytes`` apart; ``src_rows`` / ``dst_rows``: ``[m]`` contiguous int64 CPU row indices, in
+    range. Nothing is checked: a wrong index writes out of bounds.
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded.
+    """
+    lib = _lib if _lib is not None else load()
+    if lib is None:
+        raise NativeUnavailable("the CPU kernels are not built here")
+    m = int(src_rows.numel())
+    lib.dd_gather_rows(src_k, src_v, dst_k, dst_v, src_rows.data_ptr(), dst_rows.data_ptr(), m, row_bytes,
+                       _gather_threads(m * row_bytes))  # fmt: skip
+
+
+def copy_rows_unchecked(src: int, dst: int, src_rows: torch.Tensor, dst_rows: torch.Tensor, row_bytes: int) -> None:
+    """``dst`` row ``dst_rows[i]`` = ``src`` row ``src_rows[i]`` (rows ``row_bytes`` apart from each
+    base address), serial on the calling thread (``dd_copy_rows``): a few rows, e.g. the speculated
+    tokens' new K/V read through the fused QKV projection's stride. Unchecked, as
+    :func:`gather_rows_unchecked`.
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded.
+    """
+    lib = _lib if _lib is not None else load()
+    if lib is None:
+        raise NativeUnavailable("the CPU kernels are not built here")
+    lib.dd_copy_rows(src, dst, src_rows.data_ptr(), dst_rows.data_ptr(), int(src_rows.numel()), row_bytes)
 
 
 def measure_hits(q: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, keys: torch.Tensor, have: torch.Tensor,

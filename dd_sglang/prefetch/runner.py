@@ -51,10 +51,11 @@ from collections.abc import Callable
 import torch
 
 from dd_sglang.kernels import native as native_kernel
-from dd_sglang.kernels.sparse_decode import fold_gqa
+from dd_sglang.kernels.sparse_decode import fold_gqa, unfold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
 from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
 from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
+from dd_sglang.prefetch.layer_rows import LayerRows, build_layer_rows, fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
 from dd_sglang.prefetch.schedule import TransferSchedule
@@ -115,6 +116,34 @@ class PrefetchEvents:
 _NO_EVENTS = PrefetchEvents()
 
 
+class StepTally:
+    """A step's per-layer event counts, reported once per step (:meth:`flush`) instead of once per
+    layer: each report is a Prometheus label lookup and lock on the forward thread."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self.copied = 0
+        self.misses: dict[str, list[int]] = {}
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
+        m = self.misses.setdefault(policy, [0, 0])
+        m[0] += n
+        m[1] += repaired_tokens
+
+    def flush(self, events: PrefetchEvents) -> None:
+        """Report what was counted to ``events`` and start again from zero."""
+        for name, seconds in self.phases.items():
+            events.phase(name, seconds)
+        if self.copied:
+            events.copied(self.copied)
+        for policy, (n, tokens) in self.misses.items():
+            events.miss(policy, n, tokens)
+        self.phases, self.copied, self.misses = {}, 0, {}
+
+
 def _chunk_layers(g, q: torch.Tensor) -> int:
     """Layers per inline selection call for group ``g`` (``q``: one layer's ``[rows, heads, D]``)."""
     per_layer = q.shape[0] * q.shape[1] * g.blocks.cand.shape[1] * 4
@@ -168,6 +197,16 @@ class SparseStepRunner:
         self._pending: list[dict[int, torch.Tensor]] = []
         self.native = use_native_kernel(params.kernel)
         self.gather = RingGather(host.k, host.v, self.device, params.gather, self.native)
+        #: CPU with the C kernel: each layer's moves are single indexed copies over the rows of
+        #: :mod:`~dd_sglang.prefetch.layer_rows`, built once per step.
+        self.fast = self.gather.native and self.device.type == "cpu" and host.k.is_contiguous()
+        self._rows_for: tuple | None = None  # (plan, query heads, slot shape) of self._rows
+        self._rows: LayerRows | None = None
+        self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
+        self._sel_next: list[int] = []  # per ahead group, the first layer not yet selected
+        self.tally = StepTally()
+        self._taken_for: StepPlan | None = None  # :meth:`_blocks_of`'s plan and its taken blocks
+        self._taken: dict = {}
         #: :meth:`_resident_rows`' last ``(plan, slot shape)`` and its rows.
         self._res_for: tuple | None = None
         self._res_rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -230,8 +269,10 @@ class SparseStepRunner:
     def plan(self, fb, rt) -> StepPlan | None:
         """Plan the step and start its copies; None (and nothing queued) without sparse rows."""
         self.schedule.drain_select()  # last step's selections are read by this plan
+        self.tally.flush(self.events)
         plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
         self._pending = [{} for _ in plan.ahead] if plan is not None else []
+        self._sel_next = [0 for _ in plan.ahead] if plan is not None else []
         if plan is None:
             self.schedule.end_step()
             self.ring.release()
@@ -247,6 +288,8 @@ class SparseStepRunner:
 
     def _gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
         """The copy of layer ``l``'s fixed rows (plan rows ``[0, n_fixed)``) into its ring slot."""
+        if self.fast:
+            return self._fast_gather_fn(plan)
         rows, c0, k = slice(0, plan.n_fixed), plan.n_res, plan.k
         gather, copied, n_slots = self.gather, self.events.copied, self.ring.n_slots
 
@@ -255,6 +298,31 @@ class SparseStepRunner:
             copied(gather.copy(layer, src, k_slot, v_slot, rows, c0, k, layer % n_slots))
 
         return copy
+
+    def _fast_gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """:meth:`_gather_fn` on the fast path: every layer's source rows built here, once; one C
+        call a layer."""
+        hk, hv = self.host.k, self.host.v
+        src, dst = fixed_rows(plan, hk.shape[2], self.ring.shape[1:])
+        row_bytes = hk.shape[3] * hk.element_size()
+        layer_bytes = hk.stride(0) * hk.element_size()
+        kp, vp, nbytes = hk.data_ptr(), hv.data_ptr(), 2 * src.shape[1] * row_bytes
+        tally = self.tally
+
+        def copy(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
+            native_kernel.gather_rows_unchecked(kp + layer * layer_bytes, vp + layer * layer_bytes, k_slot.data_ptr(),
+                                                v_slot.data_ptr(), src[layer], dst, row_bytes)  # fmt: skip
+            tally.copied += nbytes
+
+        return copy
+
+    def layer_rows(self, plan: StepPlan, hq: int, slot_shape: torch.Size) -> LayerRows:
+        """The step's :class:`LayerRows` (built at the first layer that asks, then reused)."""
+        key = self._rows_for
+        if key is None or key[0] is not plan or key[1] != hq or key[2] != slot_shape:
+            self._rows = build_layer_rows(plan, self.host.k.shape[2], hq, slot_shape)
+            self._rows_for = (plan, hq, slot_shape)
+        return self._rows
 
     # ------------------------------------------------------------------ per layer
     def layer_inputs(self, plan: StepPlan, layer: int, q3: torch.Tensor, k3: torch.Tensor,
@@ -287,7 +355,11 @@ class SparseStepRunner:
             self._repair(plan, layer, q3, scale)
         t1 = time.perf_counter()
         if plan.sync or plan.repair_rows.numel():
-            self.events.phase("select", t1 - t0)
+            self.tally.phase("select", t1 - t0)
+        if self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
+            q = self._assemble_fast(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values)
+            self.tally.phase("assemble", time.perf_counter() - t1)
+            return q, keys, values
         n_res = plan.n_res
         native = self.gather.native and slot_k.is_contiguous() and slot_v.is_contiguous()
         if native and k_buf.dtype == keys.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
@@ -302,8 +374,40 @@ class SparseStepRunner:
             keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
             values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
         q = fold_gqa(q3[plan.qidx], hkv)
-        self.events.phase("assemble", time.perf_counter() - t1)
+        self.tally.phase("assemble", time.perf_counter() - t1)
         return q, keys, values
+
+    def _assemble_fast(self, plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values) -> torch.Tensor:
+        """:meth:`layer_inputs`' resident set, speculated K/V and folded queries on the fast path: two
+        C row copies and one ``index_select`` (rows from :meth:`layer_rows`). Returns the queries."""
+        d = k_buf.shape[2]
+        rows = self.layer_rows(plan, q3.shape[1], slot_k.shape)
+        row_bytes = d * k_buf.element_size()
+        native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(), slot_v.data_ptr(),
+                                            rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
+        if rows.spec_dst.numel():
+            for new, slot, dst in ((k3, slot_k, keys), (v3, slot_v, values)):
+                st = new.stride()
+                if new.dtype == slot.dtype and st[2] == 1 and st[1] == d and st[0] % d == 0:
+                    native_kernel.copy_rows_unchecked(new.data_ptr(), slot.data_ptr(), rows.spec_src(st[0] // d),
+                                                      rows.spec_dst, row_bytes)  # fmt: skip
+                else:
+                    dst[plan.spec_rows, :, plan.spec_cols] = new[plan.spec_tokens].to(dst.dtype)
+        q = q3.reshape(-1, q3.shape[2]).index_select(0, rows.q_rows)
+        return q.view(plan.num_rows, k_buf.shape[1], -1, q3.shape[2])
+
+    def scatter_output(self, plan: StepPlan, o: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the sparse attention's output ``o`` (``[R, Hkv, P x G, Dv]``) into the layer's output
+        ``out`` (``[tokens, Hq, Dv]``, contiguous): each row's real query and each speculated position."""
+        dv = out.shape[2]
+        if self.fast and self._rows_for is not None and self._rows_for[0] is plan:
+            rows = self._rows
+            out.view(-1, dv).index_copy_(0, rows.out_dst, o.reshape(-1, dv).index_select(0, rows.out_src).to(out.dtype))
+            return
+        o = unfold_gqa(o, plan.positions).to(out.dtype)
+        out[plan.rows.to(out.device)] = o[:, 0]
+        if plan.spec_rows.numel():
+            out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
 
     def _resident_rows(self, plan: StepPlan, hkv: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
         """Source rows (device pool ``[slots x Hkv, D]`` view) and ring rows of the resident columns
@@ -337,7 +441,7 @@ class SparseStepRunner:
         k_slot, v_slot = self.ring.slot(layer)
         n = self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, rows, c0, slots.shape[2],
                              layer % self.ring.n_slots)  # fmt: skip
-        self.events.copied(n)
+        self.tally.copied += n
 
     def _sync_select(self, plan, g, layer, q3, scale) -> None:
         index = self._index_of(g.selector)
@@ -356,7 +460,7 @@ class SparseStepRunner:
         query: a repair reads ``rerank x (k + repair_budget)`` exact keys per KV head.
         """
         rows = plan.repair_rows
-        blocks = plan.blocks.take(rows)
+        blocks = self._blocks_of(plan, "repair", rows)
         q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
         budget = plan.repair_budget
         have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
@@ -376,7 +480,7 @@ class SparseStepRunner:
             )
             top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
         self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
-        self.events.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
+        self.tally.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
         """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
@@ -384,7 +488,12 @@ class SparseStepRunner:
             self.schedule.done(layer)
         host_k = self.host.k[layer]
         nxt = self.store.next_sets
+        last = layer == self.host.layer_num - 1
+        fast = self.fast and self.schedule.select_inline and self._rows_for is not None and self._rows_for[0] is plan
         for gi, g in enumerate(plan.ahead):
+            if fast:
+                self._select_fast(plan, gi, g, layer, q3, scale, last)
+                continue
             q = _selection_queries(q3, g.query, self.host.k.shape[2]).to("cpu", copy=True)
             if self.schedule.select_inline:
                 pending = self._pending[gi]
@@ -408,24 +517,60 @@ class SparseStepRunner:
         misses = [j for j in range(plan.n_ahead) if plan.rejected[j]]
         n_use = len(misses) - int(plan.repair_rows.numel())
         if n_use > 0:
-            self.events.miss("use_prefetched", n_use, 0)
+            self.tally.miss("use_prefetched", n_use, 0)
+        if last:
+            self.tally.flush(self.events)
+
+    def _select_fast(self, plan: StepPlan, gi: int, g, layer: int, q3: torch.Tensor, scale: float, last: bool) -> None:
+        """Inline selection on the fast path: the layer's selection queries go into the step's
+        ``[layers, n, Q x Hq, D]`` buffer (one ``index_select``); a full chunk is selected from a
+        view of it (no stacking)."""
+        d = q3.shape[2]
+        sel = self._rows.sel_rows[gi]
+        n = int(g.query.shape[0])
+        shape = (self.host.layer_num, n, sel.numel() // n, d)
+        if gi >= len(self._sel_buf):
+            self._sel_buf.append(q3.new_empty(0))
+        buf = self._sel_buf[gi]
+        if tuple(buf.shape) != shape or buf.dtype != q3.dtype:
+            buf = self._sel_buf[gi] = q3.new_empty(shape)
+        torch.index_select(q3.reshape(-1, d), 0, sel, out=buf[layer].view(-1, d))
+        l0 = self._sel_next[gi]
+        if layer + 1 - l0 == _chunk_layers(g, buf[0]) or last:
+            self._select_layers_view(g, buf[l0 : layer + 1], l0, scale)
+            self._sel_next[gi] = layer + 1
+
+    def _blocks_of(self, plan: StepPlan, name: str, rows: torch.Tensor):
+        """``plan.blocks.take(rows)`` for the plan's ``name`` rows (``repair``, ``sampled``), taken once
+        per step: every layer reads the same rows, and the taken blocks keep their ``tokens``."""
+        if self._taken_for is not plan:
+            self._taken_for, self._taken = plan, {}
+        blocks = self._taken.get(name)
+        if blocks is None:
+            blocks = self._taken[name] = plan.blocks.take(rows)
+        return blocks
 
     def _select_layers(self, g, queries: dict[int, torch.Tensor], scale: float) -> None:
         """One group's next-step sets for a chunk of consecutive layers in one call (inline selection)."""
-        t0 = time.perf_counter()
         l0, l1 = min(queries), max(queries) + 1
-        q = torch.stack([queries[layer] for layer in range(l0, l1)])  # [L, rows, Q x Hq, D]
+        self._select_layers_view(g, torch.stack([queries[layer] for layer in range(l0, l1)]), l0, scale)
+
+    def _select_layers_view(self, g, q: torch.Tensor, l0: int, scale: float) -> None:
+        """One group's next-step sets of layers ``[l0, l0 + len(q))`` from their selection queries
+        ``q`` (``[L, rows, Q x Hq, D]``)."""
+        t0 = time.perf_counter()
+        l1 = l0 + q.shape[0]
         index = self._index_of(g.selector)
         pos, slots = g.selector.select_layers(q, g.blocks, self.host.k[l0:l1], g.k, scale, index, slice(l0, l1))
         nxt = self.store.next_sets
         for i, layer in enumerate(range(l0, l1)):
             nxt.put(layer, g.dest, pos[i], slots[i])
-        self.events.phase("select_ahead", time.perf_counter() - t0)
+        self.tally.phase("select_ahead", time.perf_counter() - t0)
 
     def _measure(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> None:
         """Hit rate of the sampled rows' prefetched sets against the exact top-k of the real query."""
         rows = plan.sampled
-        blocks = plan.blocks.take(rows)
+        blocks = self._blocks_of(plan, "sampled", rows)
         host_k = self.host.k[layer]
         kr = plan.top_k[rows].view(-1, 1, 1)
         have = plan.fixed_pos[layer][rows]
@@ -454,5 +599,6 @@ class SparseStepRunner:
         return hits, mass_have, mass_top
 
     def end_step(self) -> None:
-        """Finish the step's copies (no layer left to wait for them)."""
+        """Finish the step's copies (no layer left to wait for them) and report its counts."""
         self.schedule.end_step()
+        self.tally.flush(self.events)

@@ -143,7 +143,6 @@ class TransferSchedule:
         self.ring = ring
         self.inline = inline
         self.select_inline = select_inline
-        self._inline_jobs: dict[int, Callable[[], None]] = {}
         self.depth = ring.depth
         self.on_step = on_step
         self._cuda = ring.device.type == "cuda"
@@ -177,6 +176,8 @@ class TransferSchedule:
         self._gather = gather
         self._layers = list(layers)
         self._next = 0
+        if self.inline:  # each copy runs in wait(): nothing to queue
+            return
         for _ in range(min(self.depth + 1, len(self._layers))):
             self._queue_next()
 
@@ -210,10 +211,19 @@ class TransferSchedule:
                 t.copy_end = time.perf_counter()
                 evt.set()
 
-        if self.inline:
-            self._inline_jobs[layer] = job
-        else:
-            self._copy.submit(job)
+        self._copy.submit(job)
+
+    def _copy_inline(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inline mode: ``layer``'s copy, now, on the calling thread (all of it is exposed wait)."""
+        if layer in self._timing or layer not in self._layers:
+            raise KeyError(f"layer {layer} is not waiting for a copy in this step")
+        k_slot, v_slot = self.ring.slot(layer)
+        t = LayerTiming(layer)
+        self._timing[layer] = t
+        t.queued = t.copy_start = t.wait_start = time.perf_counter()
+        self._gather(layer, k_slot, v_slot)
+        t.copy_end = t.wait_end = time.perf_counter()
+        return k_slot, v_slot
 
     def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block until ``layer``'s copy is done; returns its ring slot ``(k, v)`` views.
@@ -222,11 +232,10 @@ class TransferSchedule:
             KeyError: ``layer`` was not queued in this step.
             RuntimeError: the copy failed (the worker's exception is chained).
         """
+        if self.inline:
+            return self._copy_inline(layer)
         t = self._timing[layer]
         t.wait_start = time.perf_counter()
-        job = self._inline_jobs.pop(layer, None)
-        if job is not None:  # inline: the copy runs now, all of it exposed
-            job()
         self._done_evt[layer].wait()
         self._copy.raise_error()
         ev = self._cuda_evt.pop(layer, None)
@@ -239,6 +248,10 @@ class TransferSchedule:
         """``layer``'s slot has been consumed: queue the copy that reuses it; after the step's last
         layer, finish the step (its timings are reported then). On CUDA the reuse first waits for
         the compute stream's reads of the slot (an event recorded here)."""
+        if self.inline:
+            if self._layers and layer == self._layers[-1]:
+                self.end_step()
+            return
         if self._cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.ring.device))
@@ -249,11 +262,12 @@ class TransferSchedule:
 
     def end_step(self) -> None:
         """Wait for queued copies (also those no layer waited for) and keep the step's timings."""
+        if self.inline and self._layers:  # copies no layer asked for still run: nothing is skipped
+            for layer in self._layers:
+                if layer not in self._timing:
+                    self._copy_inline(layer)
         if not self._timing:
             return
-        for job in self._inline_jobs.values():  # copies no layer asked for still run: nothing is skipped
-            job()
-        self._inline_jobs.clear()
         for evt in self._done_evt.values():
             evt.wait()
         self._copy.raise_error()

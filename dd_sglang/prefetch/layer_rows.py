@@ -1,0 +1,117 @@
+"""Flat row indices of a sparse step's per-layer copies, built once per step and read by every layer.
+
+Every per-layer move of the sparse path is a list of rows of ``head_dim``
+elements: a query head, a KV head's key or value, an attention output head.
+:func:`build_layer_rows` turns a :class:`~dd_sglang.prefetch.plan.StepPlan`
+into those lists once per step, so that each layer makes one indexed copy per
+move instead of a chain of indexing, permuting and reshaping operations
+(each of which costs the forward thread a PyTorch dispatch per layer):
+
+* **Queries.** ``q_rows``: rows of the layer's queries viewed ``[tokens x Hq,
+  D]`` in the folded order the sparse attention reads, ``[R, Hkv, P x G, D]``
+  (what :func:`~dd_sglang.kernels.sparse_decode.fold_gqa` of ``q3[plan.qidx]``
+  gives).
+* **Outputs.** ``out_src`` / ``out_dst``: rows of the attention output viewed
+  ``[R x Hkv x P x G, Dv]`` and the layer output rows ``[tokens x Hq, Dv]``
+  they go to (the real query of each row and each speculated position).
+* **Resident set.** ``res_src`` / ``res_dst``: device-pool rows (``[slots x
+  Hkv, D]``) and ring-slot rows of columns ``[0, n_res)``.
+* **Speculated K/V.** ``spec_dst``: the ring-slot row of each speculated
+  token's own column per KV head; its source row depends on the stride of
+  the layer's new K/V (:meth:`LayerRows.spec_src`).
+* **Fixed sets.** ``fixed_src`` ``[layers, m]``: host-tier rows (``[slots x
+  Hkv, D]`` per layer) of the fixed rows' critical sets; ``fixed_dst``:
+  their ring-slot rows (columns ``[n_res, n_res + k)``).
+* **Selection queries.** ``sel_rows``: per ahead group, rows of the layer's
+  queries in the order :func:`~dd_sglang.prefetch.runner._selection_queries`
+  returns them (``[n, Hkv x Q x G, D]``).
+
+A ring slot is ``[R_reserved, Hkv, N_reserved, D]``; ring rows are
+``(r x Hkv + h) x N_reserved + column`` (:func:`~dd_sglang.prefetch.gather.ring_rows`).
+Every index is int64 on the CPU (the only place these rows are used: the CPU
+path with the C copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dd_sglang.prefetch.gather import flat_rows, ring_rows
+from dd_sglang.prefetch.plan import StepPlan
+
+
+@dataclass
+class LayerRows:
+    """One step's flat row indices (module docstring); ``[n]`` int64 CPU tensors."""
+
+    q_rows: torch.Tensor
+    out_src: torch.Tensor
+    out_dst: torch.Tensor
+    res_src: torch.Tensor
+    res_dst: torch.Tensor
+    spec_dst: torch.Tensor
+    spec_token: torch.Tensor
+    spec_head: torch.Tensor
+    sel_rows: tuple[torch.Tensor, ...]
+    _spec_src: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def spec_src(self, token_stride: int) -> torch.Tensor:
+        """Source rows of the speculated K (or V) for new K/V whose token stride is ``token_stride``
+        rows of ``head_dim`` (``k3.stride(0) // head_dim``; heads ``head_dim`` apart)."""
+        src = self._spec_src.get(token_stride)
+        if src is None:
+            src = self._spec_src[token_stride] = self.spec_token * token_stride + self.spec_head
+        return src
+
+
+def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) -> LayerRows:
+    """The step's :class:`LayerRows` for ``hkv`` KV heads, ``hq`` query heads and ring slots of
+    ``slot_shape`` (``[R_reserved, Hkv, N_reserved, D]``).
+
+    Raises:
+        ValueError: ``hq`` is not a multiple of ``hkv``, or the slot is smaller than the plan.
+    """
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    r, p, g = plan.num_rows, plan.positions, hq // hkv
+    if slot_shape[0] < r or slot_shape[1] != hkv or slot_shape[2] < plan.columns:
+        raise ValueError(f"ring slot {tuple(slot_shape)} is smaller than the plan ({r} rows, {plan.columns} columns)")
+    heads = torch.arange(hkv).view(1, hkv, 1, 1) * g + torch.arange(g).view(1, 1, 1, g)  # [1, Hkv, 1, G]
+    qidx = plan.qidx.to("cpu", torch.int64)
+    q_rows = (qidx.view(r, 1, p, 1) * hq + heads).flatten()  # [R, Hkv, P, G]
+    # Outputs: each row's real query (position 0), then each speculated token at its position.
+    tok = torch.cat([plan.rows.to("cpu", torch.int64), plan.spec_tokens.to("cpu", torch.int64)])
+    row = torch.cat([torch.arange(r), plan.spec_rows.to("cpu", torch.int64)])
+    pos = torch.cat([torch.zeros(r, dtype=torch.int64), plan.spec_slots.to("cpu", torch.int64)])
+    h = torch.arange(hkv).view(1, hkv, 1)
+    gg = torch.arange(g).view(1, 1, g)
+    out_src = (((row.view(-1, 1, 1) * hkv + h) * p + pos.view(-1, 1, 1)) * g + gg).flatten()
+    out_dst = (tok.view(-1, 1, 1) * hq + h * g + gg).flatten()
+    columns = slot_shape[2]
+    res = plan.res_slots.to("cpu", torch.int64)  # [R, n_res], the same slots for every KV head
+    res_src = flat_rows(res.unsqueeze(1).expand(-1, hkv, -1))
+    res_dst = ring_rows(torch.arange(r), hkv, columns, 0, res.shape[1])
+    spec_rows = plan.spec_rows.to("cpu", torch.int64).view(-1, 1)
+    spec_cols = plan.spec_cols.to("cpu", torch.int64).view(-1, 1)
+    hv = torch.arange(hkv).view(1, hkv)
+    spec_dst = ((spec_rows * hkv + hv) * columns + spec_cols).flatten()
+    spec_token = plan.spec_tokens.to("cpu", torch.int64).view(-1, 1).expand(-1, hkv).flatten()
+    spec_head = hv.expand(spec_rows.shape[0], hkv).flatten()
+    sel = []
+    for grp in plan.ahead:
+        query = grp.query.to("cpu", torch.int64)  # [n, Q]
+        n, nq = query.shape
+        sel.append((query.view(n, 1, nq, 1) * hq + heads).flatten())  # [n, Hkv, Q, G]
+    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, spec_dst, spec_token, spec_head, tuple(sel))
+
+
+def fixed_rows(plan: StepPlan, hkv: int, slot_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-tier source rows of every layer's fixed sets, ``[layers, n_fixed x Hkv x k]`` int64, and
+    their ring-slot rows ``[n_fixed x Hkv x k]`` (columns ``[n_res, n_res + k)`` of plan rows
+    ``[0, n_fixed)``), in the order :func:`~dd_sglang.prefetch.gather.flat_rows` lists them."""
+    slots = torch.stack(plan.fixed_slots)  # [L, n_fixed, Hkv, k]
+    src = (slots * hkv + torch.arange(hkv).view(1, 1, hkv, 1)).flatten(1)
+    dst = ring_rows(torch.arange(plan.n_fixed), hkv, slot_shape[2], plan.n_res, plan.k)
+    return src, dst
