@@ -1,6 +1,6 @@
 /* dd_sglang CPU kernels: the spec_host selector's whole pipeline, one (layer, row) per task
  * (dd_spec_host_select, dd_spec_host_select_par), the sampled hit-rate measurement
- * (dd_measure) and the ring row copy (dd_gather_rows). Compiled at first use by
+ * (dd_measure) and the ring row copies (dd_gather_rows, dd_copy_rows). Compiled at first use by
  * dd_sglang/kernels/native.py (cc -O3 -march=native -fopenmp) and called through ctypes;
  * the parallel entry points run on the OpenMP threads of the libgomp PyTorch loaded.
  *
@@ -109,6 +109,43 @@ static void logits16(const int8_t *const *rows, const float (*ks)[16], int cnt, 
     }
 }
 #define HAVE_LOGITS16 1
+
+#if defined(__AVX512VNNI__)
+/* logits16 with AVX-512 VNNI (vpdpbusd: 64 byte products a instruction, no int8 -> int16
+ * widening), for D a multiple of 64. vpdpbusd multiplies unsigned by signed bytes, so the
+ * queries come biased, qu = q + 128 in [1, 255], and q . k = qu . k - 128 sum(k); sum(k) is one
+ * more vpdpbusd against ones per key row. Every product and sum is an exact integer, as in
+ * logits16. */
+static void logits16_vnni(const int8_t *const *rows, const float (*ks)[16], int cnt, int H, int G, int D,
+                          const uint8_t (*qu)[MAXD], const float *qsc, float *a, int64_t n, int c0) {
+    __mmask16 keep = (__mmask16)((1u << cnt) - 1u);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int h = 0; h < H; h++) {
+        __m512i acc[16];
+        for (int i = 0; i < 16; i++) {
+            const int8_t *kr = rows[i] + h * D;
+            __m512i sum = _mm512_setzero_si512();
+            for (int d = 0; d < D; d += 64) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(kr + d));
+            acc[i] = sum;
+        }
+        __m512i bias = _mm512_slli_epi32(tree16(acc), 7); /* 128 sum(k) of each of the 16 keys */
+        for (int j = 0; j < G; j++) {
+            const uint8_t *qj = qu[h * G + j];
+            for (int i = 0; i < 16; i++) {
+                const int8_t *kr = rows[i] + h * D;
+                __m512i sum = _mm512_setzero_si512();
+                for (int d = 0; d < D; d += 64)
+                    sum = _mm512_dpbusd_epi32(sum, _mm512_load_si512(qj + d), _mm512_loadu_si512(kr + d));
+                acc[i] = sum;
+            }
+            __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(tree16(acc), bias));
+            f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_loadu_ps(ks[h])), _mm512_set1_ps(qsc[h * G + j]));
+            _mm512_mask_storeu_ps(a + (int64_t)(h * G + j) * n + c0, keep, f);
+        }
+    }
+}
+#define HAVE_LOGITS16_VNNI 1
+#endif
 #elif defined(__AVX2__)
 #include <immintrin.h>
 static inline int32_t hsum_i32(__m256i v) {
@@ -227,31 +264,61 @@ static void select_top(scored *a, int n, int m) {
     }
 }
 
-/* The m-th largest of v[0..n) (1 <= m <= n); reorders v. */
-static float kth_largest(float *v, int n, int m) {
-    int lo = 0, hi = n - 1, want = m - 1;
-    while (lo < hi) {
-        float pivot = v[lo + (hi - lo) / 2];
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] > pivot) i++;
-            while (v[j] < pivot) j--;
-            if (i <= j) {
-                float t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-                i++;
-                j--;
-            }
-        }
-        if (want <= j)
-            hi = j;
-        else if (want >= i)
-            lo = i;
-        else
-            return v[want]; /* between the two parts: equal to the pivot */
+/* Order-preserving map of a float to an unsigned key (larger float, larger key; -0 < +0). */
+static inline uint32_t float_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* The bin of the want-th largest in count[0..bins) (counting from the top); want becomes its
+ * rank within that bin. */
+static int top_bin(const int32_t *count, int bins, int *want) {
+    int b = bins - 1;
+    for (; b > 0 && count[b] < *want; b--) *want -= count[b];
+    return b;
+}
+
+/* The m-th largest of v[0..n) (1 <= m <= n), by a radix select on order-preserving keys, 11 +
+ * 11 + 10 bits a pass. Pass 1 counts every key's top bits; passes 2 and 3 first copy out the keys
+ * that share the bits found so far (a branch-free compaction), then count those. Nothing
+ * data-dependent branches (a quickselect's partitions mispredict about half their compares on
+ * scores). scratch: 2 n words. Leaves v unchanged. */
+static float kth_largest(const float *v, int n, int m, uint32_t *scratch) {
+    uint32_t *ka = scratch, *kb = scratch + n;
+    int32_t count[2048], c4[4][2048];
+    int want = m;
+    /* Most keys of one row share a few top-bit bins (its scores are close): four histograms, so
+     * consecutive increments of one bin do not wait on each other. */
+    memset(c4, 0, sizeof(c4));
+    for (int i = 0; i < n; i++) {
+        uint32_t key = float_key(v[i]);
+        ka[i] = key;
+        c4[i & 3][key >> 21]++;
     }
-    return v[want];
+    for (int b = 0; b < 2048; b++) count[b] = c4[0][b] + c4[1][b] + c4[2][b] + c4[3][b];
+    uint32_t b1 = (uint32_t)top_bin(count, 2048, &want);
+    int n2 = 0;
+    for (int i = 0; i < n; i++) {
+        kb[n2] = ka[i];
+        n2 += (ka[i] >> 21) == b1;
+    }
+    memset(count, 0, sizeof(int32_t) * 2048);
+    for (int i = 0; i < n2; i++) count[(kb[i] >> 10) & 2047u]++;
+    uint32_t b2 = (uint32_t)top_bin(count, 2048, &want);
+    int n3 = 0;
+    for (int i = 0; i < n2; i++) {
+        ka[n3] = kb[i];
+        n3 += ((kb[i] >> 10) & 2047u) == b2;
+    }
+    memset(count, 0, sizeof(int32_t) * 1024);
+    for (int i = 0; i < n3; i++) count[ka[i] & 1023u]++;
+    uint32_t b3 = (uint32_t)top_bin(count, 1024, &want);
+    uint32_t key = (b1 << 21) | (b2 << 10) | b3;
+    uint32_t u = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 /* Log-sum-exp of a[0..n) (n >= 1), and out[c] = max_j (a[j n + c] - z[j]) over G rows. */
@@ -334,7 +401,7 @@ static float logaddexp(float a, float b) {
 static void select_head(const float *a, int n, const int32_t *cpos, int G, int D, int k, int m,
                         float scale, const float (*qf)[MAXD], const char *keys_l, int64_t key_row,
                         int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc,
-                        float *e, float *sv, float *tmp, int64_t *op, int64_t *os) {
+                        float *e, float *sv, int64_t *op, int64_t *os) {
     float z[MAXG], taken[MAXG];
     if (n <= k) { /* not expected (rows have more than k candidates); keep what there is */
         for (int c = 0; c < k; c++) {
@@ -350,13 +417,17 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
      * the exact re-ranking then reads in address order), their approximate mass, positions */
     int mm = m < n ? m : n;
     if (mm < n) {
-        memcpy(tmp, sv, sizeof(float) * (size_t)n);
-        float thr = kth_largest(tmp, n, mm);
+        float thr = kth_largest(sv, n, mm, (uint32_t *)(sv + n));
         int above = 0;
         for (int c = 0; c < n; c++) above += sv[c] > thr;
         int ties = mm - above, w = 0;
-        for (int c = 0; c < n; c++)
-            if (sv[c] > thr || (sv[c] == thr && ties-- > 0)) sc[w++].i = c;
+        for (int c = 0; c < n; c++) { /* branch-free: which candidates pass is unpredictable */
+            float x = sv[c];
+            int eq = x == thr, take = (x > thr) | (eq & (ties > 0));
+            ties -= eq & take;
+            sc[w].i = c;
+            w += take;
+        }
     } else {
         for (int c = 0; c < n; c++) sc[c].i = c;
     }
@@ -433,7 +504,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     scored *sc = malloc(sizeof(scored) * (size_t)P);
     float *e = malloc(sizeof(float) * (size_t)G * m);
     int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
-    float *sv = malloc(sizeof(float) * 2 * (size_t)P);
+    float *sv = malloc(sizeof(float) * 3 * (size_t)P); /* scores, then kth_largest's scratch */
     if (!a || !sc || !e || !cpos || !sv) {
         free(a);
         free(sc);
@@ -443,6 +514,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         return -1;
     }
     int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
+    uint8_t qu[MAXG][MAXD] __attribute__((aligned(64))); /* qi + 128, for logits16_vnni */
     float qf[MAXG][MAXD] __attribute__((aligned(64)));
     const int simd = SIMD_D > 1 && D % SIMD_D == 0;
     float qsc[MAXG];
@@ -458,7 +530,10 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
                 mx = fabsf(v) > mx ? fabsf(v) : mx;
             }
             float qs = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
-            for (int d = 0; d < D; d++) qi[j][d] = (int16_t)nearbyintf(qf[j][d] / qs);
+            for (int d = 0; d < D; d++) {
+                qi[j][d] = (int16_t)nearbyintf(qf[j][d] / qs);
+                qu[j][d] = (uint8_t)(qi[j][d] + 128);
+            }
             qsc[j] = qs * scale;
         }
         /* 2. approximate logits of the candidates, compacted: a[(h G + j) n + c] */
@@ -483,7 +558,13 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
                 }
                 if (c + 32 <= n)
                     for (int i = 16; i < 32; i += 2) __builtin_prefetch(q8l + srow[cpos[c + i]] * H * D);
-                logits16(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int16_t(*)[MAXD])qi, qsc, a, n, c);
+#ifdef HAVE_LOGITS16_VNNI
+                if (D % 64 == 0)
+                    logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, D, (const uint8_t(*)[MAXD])qu, qsc, a, n,
+                                  c);
+                else
+#endif
+                    logits16(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int16_t(*)[MAXD])qi, qsc, a, n, c);
             }
         }
 #endif
@@ -507,7 +588,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         for (int h = 0; h < H; h++) {
             int64_t o = (((int64_t)l * R + r) * H + h) * k;
             select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])qf[h * G],
-                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, sc, e, sv, sv + P, out_pos + o,
+                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, sc, e, sv, out_pos + o,
                         out_slots + o);
         }
     }
@@ -562,6 +643,16 @@ void dd_gather_rows(const char *src_k, const char *src_v, char *dst_k, char *dst
     }
 }
 
+/* Serial row copy within one buffer pair: row src_rows[i] of src (rows of `row_bytes` from `src`) to
+ * row dst_rows[i] of dst, for i in [0, m). For sources whose rows are not evenly packed K/V
+ * pairs (a layer's new K or V, a strided view of the fused QKV projection): the caller gives
+ * row indices in units of row_bytes from the base pointer. */
+void dd_copy_rows(const char *src, char *dst, const int64_t *src_rows, const int64_t *dst_rows, int64_t m,
+                  int64_t row_bytes) {
+    for (int64_t i = 0; i < m; i++)
+        memcpy(dst + dst_rows[i] * row_bytes, src + src_rows[i] * row_bytes, (size_t)row_bytes);
+}
+
 /* The sampled prefetch hit-rate measurement (SparseStepRunner._measure) of one layer: per row r
  * and KV head h, exact scores of every candidate (p_c = max over the group of the softmax
  * probability over the row's candidates), the exact top-kr by p, and
@@ -579,7 +670,7 @@ int dd_measure(int R, int H, int G, int D, int P, int K, const float *q, const i
     int rc = 0;
 #pragma omp parallel num_threads(threads) reduction(| : rc)
     {
-        float *a = malloc(sizeof(float) * (size_t)G * P), *p = malloc(sizeof(float) * 2 * (size_t)P);
+        float *a = malloc(sizeof(float) * (size_t)G * P), *p = malloc(sizeof(float) * 3 * (size_t)P);
         int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P), *at = malloc(sizeof(int32_t) * (size_t)P);
         if (!a || !p || !cpos || !at) rc = 1;
 #pragma omp for schedule(static)
@@ -622,8 +713,7 @@ int dd_measure(int R, int H, int G, int D, int P, int K, const float *q, const i
             int kk = k < n ? k : n;
             float thr = -INFINITY; /* k >= n: every candidate is in the top */
             if (k < n) {
-                memcpy(p + P, p, sizeof(float) * (size_t)n);
-                thr = kth_largest(p + P, n, k);
+                thr = kth_largest(p, n, k, (uint32_t *)(p + P));
             }
             float sum_above = 0.0f;
             int above = 0;
