@@ -3,7 +3,8 @@
 Usage::
 
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
-                                 [--batches 1,8] [--new-tokens 48] [--rounds 3] [--select-worker]
+                                 [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
+                                 [--select-worker] [--torch-kernel]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -17,7 +18,10 @@ the sparse default (``spec_host`` + ``dual_token``, ``top_k`` 256). A cell is
 Side by side: every configuration of a cell runs once per round, ``--rounds``
 rounds, the configurations' order rotating from round to round, so a slow
 stretch of a shared machine falls on every configuration alike (an idle server
-sleeps: ``sleep-on-idle``). Reported per configuration: the median over rounds;
+sleeps: ``sleep-on-idle``). Before the rounds every configuration decodes each
+cell once for ``--warmup-tokens`` tokens, not measured: a server's first
+sparse request pays one-time costs (host-tier pages touched for the first
+time, the first index pages). Reported per configuration: the median over rounds;
 per ratio: the median of the per-round ratios and its range.
 
 Per cell and configuration: passkeys found (every round); decode tokens/s
@@ -164,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (medians reported)")
+    ap.add_argument("--warmup-tokens", type=int, default=8,
+                    help="before the rounds, every configuration decodes each cell once this many tokens, not "
+                         "measured (the first sparse request of a server pays one-time costs: host-tier pages "
+                         "touched for the first time); 0: no warm-up")  # fmt: skip
     ap.add_argument("--cells", default=None,
                     help="CONTEXTxBATCH,... instead of every --contexts x --batches pair, e.g. 4000x1,7900x1,4000x8")  # fmt: skip
     ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.warmup_tokens < 0:
+        ap.error(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}")
     if args.new_tokens < 2:
         ap.error(f"--new-tokens must be >= 2 (decode tokens after the first), got {args.new_tokens}")
     from transformers import AutoTokenizer
@@ -225,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         for backend, (flags, _) in servers.items():
             started[backend] = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900)
         order = [(backend, run) for backend, (_, runs) in servers.items() for run in runs]
+        if args.warmup_tokens > 0:
+            for c in cells:
+                for backend, (key, custom, _) in order:
+                    run_batch(started[backend].url, c["prompts"], args.warmup_tokens, custom)
+                    print(f"warm-up {c['context']}x{c['batch']} {key}", flush=True)
         rounds: dict[str, dict[str, list[dict]]] = {k: {} for k in results}
         for i in range(args.rounds):
             for c in cells:
@@ -253,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "decode step time by phase, dense vs sparse default (CPU)",
         "rounds": args.rounds,
+        "warmup_tokens": args.warmup_tokens,
         "command": "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "dtype": srv.dtype,

@@ -188,3 +188,60 @@ def test_hit_rate_measurement_counts_like_pytorch(dtype, march):
     assert 0 < int(hits.sum()) < 3 * (96 + 64)  # neither trivial nor perfect
     torch.testing.assert_close(mh.sum(1), want[1].float(), rtol=2e-4, atol=1e-5)
     torch.testing.assert_close(mt.sum(1), want[2].float(), rtol=2e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rows", "positions", "columns", "d", "hq", "hkv"),
+    [(torch.bfloat16, 1, 2, 390, 64, 9, 3), (torch.bfloat16, 8, 2, 140, 64, 9, 3), (torch.float32, 3, 3, 37, 16, 9, 3),
+     (torch.float32, 2, 1, 100, 128, 32, 8), (torch.float32, 2, 2, 21, 64, 9, 3)],  # fmt: skip
+)
+def test_fused_sparse_attention_equals_fold_sdpa_scatter(dtype, rows, positions, columns, d, hq, hkv, march):
+    """``sparse_attend`` (the CPU fast path's one call a layer) against the PyTorch path it replaces:
+    the queries folded from a strided view of the fused QKV projection, SDPA with the step's mask,
+    the outputs scattered to their tokens. Positions without an output token are not written;
+    per-position masks differ (a column only the speculated query reads); the 16-column SIMD
+    blocks and the scalar tail (21 columns) both run."""
+    from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention, unfold_gqa
+
+    g = torch.Generator().manual_seed(rows * 100 + columns)
+    tokens = rows * positions + 2
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q3 = qkv[:, : hq * d].view(tokens, hq, d)  # token stride (hq + 2 hkv) d: not contiguous
+    q_tok = torch.randint(0, tokens, (rows, positions), generator=g)
+    keys = torch.randn(rows + 1, hkv, columns + 9, d, generator=g).to(dtype)
+    values = torch.randn(rows + 1, hkv, columns + 9, d, generator=g).to(dtype)
+    mask = torch.rand(rows, positions, columns, generator=g) > 0.3
+    mask[:, :, 0] = True
+    out_tok = torch.randperm(tokens, generator=g)[: rows * positions].view(rows, positions).clone()
+    skipped = int(out_tok[0, -1])
+    if positions > 1:
+        out_tok[0, -1] = -1  # nothing rides there: its token's output stays untouched
+    out = torch.full((tokens, hq, d), 7.0, dtype=dtype)
+    native.sparse_attend(q3, q_tok, keys, values, mask, out, out_tok, 0.125)
+    group = hq // hkv
+    o = sparse_decode_attention(fold_gqa(q3[q_tok].float(), hkv), keys[:rows, :, :columns].float(),
+                                values[:rows, :, :columns].float(),
+                                mask.repeat_interleave(group, dim=1).unsqueeze(1), 0.125)  # fmt: skip
+    o = unfold_gqa(o, positions)  # [rows, positions, hq, d]
+    want = torch.full((tokens, hq, d), 7.0)
+    for r in range(rows):
+        for p in range(positions):
+            if out_tok[r, p] >= 0:
+                want[out_tok[r, p]] = o[r, p]
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-5  # bfloat16: one rounding of the output
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    if positions > 1:
+        assert (out[skipped] == 7.0).all()
+
+
+def test_fused_sparse_attention_refuses_what_it_does_not_take():
+    q = torch.randn(4, 9, 64)
+    keys = torch.randn(2, 3, 10, 64)
+    tok = torch.zeros(1, 2, dtype=torch.int64)
+    mask = torch.ones(1, 2, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match="dtypes"):
+        native.sparse_attend(q.half(), tok, keys, keys, mask, torch.empty(4, 9, 64).half(), tok, 0.1)
+    with pytest.raises(ValueError, match="layouts"):
+        native.sparse_attend(q.transpose(1, 2), tok, keys, keys, mask, torch.empty(4, 9, 64), tok, 0.1)
+    with pytest.raises(ValueError, match="mask"):
+        native.sparse_attend(q, tok, keys, keys, torch.ones(1, 2, 11, dtype=torch.bool), torch.empty(4, 9, 64), tok, 0.1)

@@ -222,7 +222,7 @@ class DualDecoderAttnBackend(AttentionBackend):
             layer.scaling,
         )  # fmt: skip
         t1 = time.perf_counter()
-        runner.scatter_output(plan, self.attention.run(qf, keys, values, layer.scaling), out)
+        runner.attend(plan, self.attention, q3, qf, keys, values, out, layer.scaling)
         for b, kb, vb in runner.exact_contexts(plan, keys, values):  # set = whole context: dense's own call
             out[b] = dense_decode_attention(q3[b], kb, vb, layer.scaling).to(out.dtype)
         step.attention_s += time.perf_counter() - t1

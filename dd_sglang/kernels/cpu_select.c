@@ -741,3 +741,214 @@ int dd_measure(int R, int H, int G, int D, int P, int K, const float *q, const i
     }
     return rc ? -1 : 0;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * Sparse decode attention of a step's sparse rows over their layer ring slot, with the query fold
+ * and the output scatter of the PyTorch path (runner.layer_inputs' fold_gqa, SparseAttention.run,
+ * runner.scatter_output) in the same call: one call a layer instead of an index, an SDPA and an
+ * index_copy. Per task (plan row r, KV head h), for each query position p of the row that has a
+ * token (out_tok[r P + p] >= 0) and each of the G query heads of h:
+ *   softmax(scale q . k_c) over the columns c < N with mask[r, p, c], then sum_c w_c v_c,
+ * in float32 (as PyTorch's CPU SDPA accumulates), stored in the activation dtype (bfloat16
+ * rounded to nearest even, or float32).
+ *
+ * q    activations, token t's head j at q + t * q_stride + j * D (elements); q_tok [R, P]: the
+ *      query's token per (row, position)
+ * k, v ring slot [rows, H, ncols, D] (kv_bf16: bfloat16, else float32), contiguous
+ * mask [R, P, N] uint8 (N <= ncols, at least one column set where out_tok >= 0)
+ * out  token t's head j at out + t * out_stride + j * D; out_tok [R, P]: the output token, or -1
+ * Tasks over `threads` OpenMP threads. Returns 0, or -1 (G > MAXG, D > MAXD, no memory). */
+static inline float act_load(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Row `c` of a ring slot's (r, h) block as float32 into dst[0..D). */
+static inline void kv_row(const void *base, int bf16, int64_t row, int D, float *dst) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        if (bf16) {
+            const uint16_t *s = (const uint16_t *)base + row * D;
+            for (int d = 0; d < D; d += 16) {
+                __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + d)));
+                _mm512_store_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+            }
+        } else {
+            const float *s = (const float *)base + row * D;
+            for (int d = 0; d < D; d += 16) _mm512_store_ps(dst + d, _mm512_loadu_ps(s + d));
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) dst[d] = act_load(base, bf16, row * D + d);
+}
+
+/* One (row r, KV head h) task: every query of the row's positions that have an output token
+ * (Q = positions x G query vectors) scored against the union of their columns in one pass over
+ * the K and V rows (a row's real and speculated queries read nearly the same columns), each
+ * query's columns outside its own mask given weight 0. */
+static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t ncols, const void *q,
+                        int64_t q_stride, const int64_t *q_tok, const void *k, const void *v, const uint8_t *mask,
+                        void *out, int64_t out_stride, const int64_t *out_tok, int act_bf16, int kv_bf16,
+                        float scale, int32_t *cols, float *s, float (*kb)[MAXD], float (*qf)[MAXD],
+                        float (*o)[MAXD]) {
+    float row[MAXD] __attribute__((aligned(64)));
+    int pos[MAXG], Q = 0; /* the positions with an output, in order; query j = (pos[j / G], g = j % G) */
+    const int64_t blk = ((int64_t)r * H + h) * ncols; /* first row of the (r, h) block */
+    for (int p = 0; p < P && Q + G <= MAXG; p++) {
+        if (out_tok[(int64_t)r * P + p] < 0) continue;
+        const int64_t qt = q_tok[(int64_t)r * P + p];
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) qf[Q + g][d] = act_load(q, act_bf16, qt * q_stride + (int64_t)(h * G + g) * D + d);
+        pos[Q / G] = p;
+        Q += G;
+    }
+    if (Q == 0) return;
+    const int np = Q / G;
+    const uint8_t *m0 = mask + (int64_t)r * P * N;
+    int n = 0, partial = 0; /* partial: some position reads fewer columns than the union */
+    for (int c = 0; c < N; c++) {
+        int any = 0, all = 1;
+        for (int j = 0; j < np; j++) {
+            int b = m0[(int64_t)pos[j] * N + c] != 0;
+            any |= b;
+            all &= b;
+        }
+        cols[n] = c;
+        n += any;
+        partial |= any & !all;
+    }
+    if (n == 0) return;
+    /* scores s[j n + i] = scale q_j . k_{cols[i]} */
+    int i = 0;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (; i + 16 <= n; i += 16) {
+            for (int u = 0; u < 16; u++) kv_row(k, kv_bf16, blk + cols[i + u], D, kb[u]);
+            for (int j = 0; j < Q; j++) {
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16)
+                        a = _mm512_fmadd_ps(_mm512_load_ps(kb[u] + d), _mm512_load_ps(qf[j] + d), a);
+                    acc[u] = a;
+                }
+                __m512i *ai = (__m512i *)acc; /* the transpose tree of tree16, on float lanes */
+                __m512 t[8], x[4];
+                for (int u = 0; u < 8; u++)
+                    t[u] = _mm512_add_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi32(ai[2 * u], ai[2 * u + 1])),
+                                         _mm512_castsi512_ps(_mm512_unpackhi_epi32(ai[2 * u], ai[2 * u + 1])));
+                for (int u = 0; u < 4; u++)
+                    x[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * u]),
+                                                                              _mm512_castps_pd(t[2 * u + 1]))),
+                                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * u]),
+                                                                              _mm512_castps_pd(t[2 * u + 1]))));
+                __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+                __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+                __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+                _mm512_storeu_ps(s + (int64_t)j * n + i, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+            }
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        kv_row(k, kv_bf16, blk + cols[i], D, row);
+        for (int j = 0; j < Q; j++) {
+            float a = 0.0f;
+            for (int d = 0; d < D; d++) a += qf[j][d] * row[d];
+            s[(int64_t)j * n + i] = a * scale;
+        }
+    }
+    /* softmax weights (unnormalised; a column outside the query's mask weighs 0), 1 / sum */
+    float inv[MAXG];
+    for (int j = 0; j < Q; j++) {
+        float *sj = s + (int64_t)j * n, mx = -INFINITY, sum = 0.0f;
+        const uint8_t *mj = m0 + (int64_t)pos[j / G] * N;
+        if (partial)
+            for (int c = 0; c < n; c++) sj[c] = mj[cols[c]] ? sj[c] : -INFINITY;
+        for (int c = 0; c < n; c++) mx = sj[c] > mx ? sj[c] : mx;
+        int c = 0;
+#if defined(__AVX512F__)
+        __m512 vs = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+        for (; c + 16 <= n; c += 16) {
+            __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sj + c), vmx));
+            _mm512_storeu_ps(sj + c, e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        sum = _mm512_reduce_add_ps(vs);
+#endif
+        for (; c < n; c++) sum += (sj[c] = exp_neg(sj[c] - mx));
+        if (partial) { /* exp_neg clamps at exp(-87): make the masked columns exactly 0 */
+            sum = 0.0f;
+            for (c = 0; c < n; c++) sum += (sj[c] = mj[cols[c]] ? sj[c] : 0.0f);
+        }
+        inv[j] = 1.0f / sum;
+        for (int d = 0; d < D; d++) o[j][d] = 0.0f;
+    }
+    /* o_j = sum_i w_ji v_i */
+    for (i = 0; i < n; i++) {
+        kv_row(v, kv_bf16, blk + cols[i], D, row);
+#if defined(__AVX512F__)
+        if (D % 16 == 0) {
+            for (int j = 0; j < Q; j++) {
+                __m512 w = _mm512_set1_ps(s[(int64_t)j * n + i]);
+                for (int d = 0; d < D; d += 16)
+                    _mm512_store_ps(o[j] + d, _mm512_fmadd_ps(w, _mm512_load_ps(row + d), _mm512_load_ps(o[j] + d)));
+            }
+            continue;
+        }
+#endif
+        for (int j = 0; j < Q; j++) {
+            float w = s[(int64_t)j * n + i];
+            for (int d = 0; d < D; d++) o[j][d] += w * row[d];
+        }
+    }
+    for (int j = 0; j < Q; j++) {
+        const int64_t at = out_tok[(int64_t)r * P + pos[j / G]] * out_stride + (int64_t)(h * G + j % G) * D;
+        for (int d = 0; d < D; d++) {
+            float x = o[j][d] * inv[j];
+            if (act_bf16)
+                ((uint16_t *)out)[at + d] = f32_to_bf16(x);
+            else
+                ((float *)out)[at + d] = x;
+        }
+    }
+}
+
+int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, const void *q, int64_t q_stride,
+                     const int64_t *q_tok, const void *k, const void *v, const uint8_t *mask, void *out,
+                     int64_t out_stride, const int64_t *out_tok, int act_bf16, int kv_bf16, float scale,
+                     int threads) {
+    if (G < 1 || (int64_t)P * G > MAXG || D < 1 || D > MAXD || N < 1 || N > ncols) return -1;
+    if (threads < 1) threads = 1;
+    int tasks = R * H, rc = 0;
+    if (threads > tasks) threads = tasks;
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+        int32_t *cols = malloc(sizeof(int32_t) * (size_t)N);
+        float *s = malloc(sizeof(float) * (size_t)P * G * N);
+        float(*kb)[MAXD] = aligned_alloc(64, sizeof(float) * 16 * MAXD);      /* 16 key rows */
+        float(*qo)[MAXD] = aligned_alloc(64, sizeof(float) * 2 * (size_t)P * G * MAXD); /* queries, outputs */
+        if (!cols || !s || !kb || !qo) rc = 1;
+#ifdef _OPENMP
+        int id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int id = 0, nt = 1;
+#endif
+        for (int t = id; t < tasks && !rc; t += nt)
+            attend_task(t / H, t % H, H, G, P, D, N, ncols, q, q_stride, q_tok, k, v, mask, out, out_stride, out_tok,
+                        act_bf16, kv_bf16, scale, cols, s, kb, qo, qo + P * G);
+        free(cols);
+        free(s);
+        free(kb);
+        free(qo);
+    }
+    return rc ? -1 : 0;
+}

@@ -143,6 +143,8 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
         lib.dd_gather_rows.restype = None
         lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
         lib.dd_copy_rows.restype = None
+        lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, i]
+        lib.dd_sparse_attend.restype = ctypes.c_int
         lib.dd_measure.argtypes = [i, i, i, i, i, i, p, p, p, p, i, p, p, f, p, p, p, i]
         lib.dd_measure.restype = ctypes.c_int
         _lib = lib
@@ -295,6 +297,66 @@ def copy_rows_unchecked(src: int, dst: int, src_rows: torch.Tensor, dst_rows: to
     if lib is None:
         raise NativeUnavailable("the CPU kernels are not built here")
     lib.dd_copy_rows(src, dst, src_rows.data_ptr(), dst_rows.data_ptr(), int(src_rows.numel()), row_bytes)
+
+
+#: Tasks (row x KV head) from which :func:`sparse_attend` splits them over PyTorch's threads; below,
+#: the calling thread runs them alone (waking the other threads costs more than 1-row work).
+ATTEND_PARALLEL_TASKS = 6
+
+_ATTEND_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  out: torch.Tensor, out_tok: torch.Tensor, scale: float) -> None:  # fmt: skip
+    """Sparse decode attention of a step's rows over their ring slot, written into the layer's
+    output (``dd_sparse_attend`` in ``cpu_select.c``): for each plan row ``r``, KV head ``h`` and
+    query position ``p`` with ``out_tok[r, p] >= 0``, each of the ``G`` query heads of ``h`` attends
+    (softmax of ``scale q . k``, float32) to the columns ``c`` with ``mask[r, p, c]`` and its output goes
+    to ``out[out_tok[r, p], h G + g]``. The same result as folding the queries
+    (:func:`~dd_sglang.kernels.sparse_decode.fold_gqa` of ``q[q_tok]``), SDPA with the mask and
+    scattering the output, up to float32 rounding order.
+
+    Args:
+        q: ``[tokens, Hq, D]`` bfloat16 or float32 (any token stride; heads ``D`` apart, contiguous
+            within a head: e.g. a view of the fused QKV projection).
+        q_tok: ``[R, P]`` int64, each query's token.
+        keys, values: the ring slot, ``[rows >= R, Hkv, ncols, D]`` contiguous, bfloat16 or float32.
+        mask: ``[R, P, N]`` bool contiguous, ``N <= ncols``; a position with an output token must
+            read at least one column.
+        out: ``[tokens', Hq, D]``, ``q``'s dtype, heads ``D`` apart.
+        out_tok: ``[R, P]`` int64, each output's token, or -1 (position unused: nothing written).
+        scale: softmax scale.
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded.
+        ValueError: dtypes, layouts or shapes the kernel does not take (the message says which).
+    """
+    lib = _lib if _lib is not None else load()
+    if lib is None:
+        raise NativeUnavailable("the CPU kernels are not built here")
+    r, p = q_tok.shape
+    _, hkv, ncols, d = keys.shape
+    hq = q.shape[1]
+    if q.dtype not in _ATTEND_DTYPES or out.dtype != q.dtype or keys.dtype not in _ATTEND_DTYPES \
+            or values.dtype != keys.dtype:  # fmt: skip
+        raise ValueError(f"sparse_attend: dtypes q {q.dtype}, out {out.dtype}, keys {keys.dtype}, values {values.dtype}")
+    if q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d or hq % hkv \
+            or q.shape[2] != d or not (keys.is_contiguous() and values.is_contiguous() and mask.is_contiguous()
+                                       and q_tok.is_contiguous() and out_tok.is_contiguous()):  # fmt: skip
+        raise ValueError(f"sparse_attend: layouts q {tuple(q.shape)} {q.stride()}, out {out.stride()}, keys "
+                         f"{tuple(keys.shape)}: heads D apart, slot/mask/tokens contiguous, Hq % Hkv == 0")  # fmt: skip
+    if mask.shape[:2] != (r, p) or mask.shape[2] > ncols or keys.shape[0] < r or values.shape != keys.shape:
+        raise ValueError(f"sparse_attend: mask {tuple(mask.shape)} / slot {tuple(keys.shape)} do not match "
+                         f"{r} rows x {p} positions")  # fmt: skip
+    tasks = r * hkv
+    threads = torch.get_num_threads() if tasks >= ATTEND_PARALLEL_TASKS else 1
+    rc = lib.dd_sparse_attend(r, hkv, hq // hkv, p, d, mask.shape[2], ncols, q.data_ptr(), q.stride(0), q_tok.data_ptr(),
+                              keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), out.stride(0),
+                              out_tok.data_ptr(), int(q.dtype == torch.bfloat16), int(keys.dtype == torch.bfloat16),
+                              float(scale), threads)  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"sparse_attend: the kernel refused G={hq // hkv}, D={d}, N={mask.shape[2]} "
+                         f"(at most {MAX_QUERIES} query heads per KV head, head_dim {MAX_HEAD_DIM})")  # fmt: skip
 
 
 def measure_hits(q: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, keys: torch.Tensor, have: torch.Tensor,

@@ -22,6 +22,9 @@ move instead of a chain of indexing, permuting and reshaping operations
 * **Fixed sets.** ``fixed_src`` ``[layers, m]``: host-tier rows (``[slots x
   Hkv, D]`` per layer) of the fixed rows' critical sets; ``fixed_dst``:
   their ring-slot rows (columns ``[n_res, n_res + k)``).
+* **Fused attention** (:func:`~dd_sglang.kernels.native.sparse_attend`): ``q_tok`` /
+  ``out_tok`` ``[R, P]``, each query position's input token and output token (-1: no token
+  rides there), and the step's mask, contiguous.
 * **Selection queries.** ``sel_rows``: per ahead group, rows of the layer's
   queries in the order :func:`~dd_sglang.prefetch.runner._selection_queries`
   returns them (``[n, Hkv x Q x G, D]``).
@@ -55,6 +58,9 @@ class LayerRows:
     spec_token: torch.Tensor
     spec_head: torch.Tensor
     sel_rows: tuple[torch.Tensor, ...]
+    q_tok: torch.Tensor
+    out_tok: torch.Tensor
+    mask: torch.Tensor
     _spec_src: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def spec_src(self, token_stride: int) -> torch.Tensor:
@@ -104,7 +110,10 @@ def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) 
         query = grp.query.to("cpu", torch.int64)  # [n, Q]
         n, nq = query.shape
         sel.append((query.view(n, 1, nq, 1) * hq + heads).flatten())  # [n, Hkv, Q, G]
-    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, spec_dst, spec_token, spec_head, tuple(sel))
+    out_tok = torch.full((r, p), -1, dtype=torch.int64)
+    out_tok[row, pos] = tok
+    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, spec_dst, spec_token, spec_head, tuple(sel),
+                     qidx.contiguous(), out_tok, plan.mask.to("cpu").contiguous())  # fmt: skip
 
 
 def fixed_rows(plan: StepPlan, hkv: int, slot_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,6 +205,7 @@ class SparseStepRunner:
         self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
         self._sel_next: list[int] = []  # per ahead group, the first layer not yet selected
         self.tally = StepTally()
+        self._slot: tuple[torch.Tensor, torch.Tensor] | None = None  # the layer's ring slot, for attend()
         self._taken_for: StepPlan | None = None  # :meth:`_blocks_of`'s plan and its taken blocks
         self._taken: dict = {}
         #: :meth:`_resident_rows`' last ``(plan, slot shape)`` and its rows.
@@ -359,7 +360,7 @@ class SparseStepRunner:
         if self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
             q = self._assemble_fast(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values)
             self.tally.phase("assemble", time.perf_counter() - t1)
-            return q, keys, values
+            return q, keys, values  # q None: attend() runs the fused kernel over the slot
         n_res = plan.n_res
         native = self.gather.native and slot_k.is_contiguous() and slot_v.is_contiguous()
         if native and k_buf.dtype == keys.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
@@ -393,8 +394,26 @@ class SparseStepRunner:
                                                       rows.spec_dst, row_bytes)  # fmt: skip
                 else:
                     dst[plan.spec_rows, :, plan.spec_cols] = new[plan.spec_tokens].to(dst.dtype)
+        st, hkv = q3.stride(), k_buf.shape[1]
+        if (q3.dtype in (torch.bfloat16, torch.float32) and st[2] == 1 and st[1] == d and v_buf.shape[2] == d
+                and plan.positions * (q3.shape[1] // hkv) <= native_kernel.MAX_QUERIES and d <= native_kernel.MAX_HEAD_DIM):
+            self._slot = (slot_k, slot_v)  # fmt: skip
+            return None
         q = q3.reshape(-1, q3.shape[2]).index_select(0, rows.q_rows)
-        return q.view(plan.num_rows, k_buf.shape[1], -1, q3.shape[2])
+        return q.view(plan.num_rows, hkv, -1, q3.shape[2])
+
+    def attend(self, plan: StepPlan, attention, q3: torch.Tensor, q: torch.Tensor | None, keys: torch.Tensor,
+               values: torch.Tensor, out: torch.Tensor, scale: float) -> None:  # fmt: skip
+        """One layer's sparse attention of every sparse row, written into its rows of ``out``
+        (``[tokens, Hq, Dv]``): the fused C kernel over the ring slot where :meth:`layer_inputs`
+        returned no folded queries (``q`` None, the CPU fast path), else ``attention``
+        (:class:`~dd_sglang.kernels.dispatch.SparseAttention`) then :meth:`scatter_output`."""
+        if q is None:
+            rows = self._rows
+            slot_k, slot_v = self._slot
+            native_kernel.sparse_attend(q3, rows.q_tok, slot_k, slot_v, rows.mask, out, rows.out_tok, scale)
+            return
+        self.scatter_output(plan, attention.run(q, keys, values, scale), out)
 
     def scatter_output(self, plan: StepPlan, o: torch.Tensor, out: torch.Tensor) -> None:
         """Write the sparse attention's output ``o`` (``[R, Hkv, P x G, Dv]``) into the layer's output
