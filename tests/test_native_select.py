@@ -190,17 +190,20 @@ def test_hit_rate_measurement_counts_like_pytorch(dtype, march):
     torch.testing.assert_close(mt.sum(1), want[2].float(), rtol=2e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("resident", [False, True])
 @pytest.mark.parametrize(
     ("dtype", "rows", "positions", "columns", "d", "hq", "hkv"),
     [(torch.bfloat16, 1, 2, 390, 64, 9, 3), (torch.bfloat16, 8, 2, 140, 64, 9, 3), (torch.float32, 3, 3, 37, 16, 9, 3),
      (torch.float32, 2, 1, 100, 128, 32, 8), (torch.float32, 2, 2, 21, 64, 9, 3)],  # fmt: skip
 )
-def test_fused_sparse_attention_equals_fold_sdpa_scatter(dtype, rows, positions, columns, d, hq, hkv, march):
+def test_fused_sparse_attention_equals_fold_sdpa_scatter(dtype, rows, positions, columns, d, hq, hkv, resident,
+                                                         march):  # fmt: skip
     """``sparse_attend`` (the CPU fast path's one call a layer) against the PyTorch path it replaces:
     the queries folded from a strided view of the fused QKV projection, SDPA with the step's mask,
     the outputs scattered to their tokens. Positions without an output token are not written;
     per-position masks differ (a column only the speculated query reads); the 16-column SIMD
-    blocks and the scalar tail (21 columns) both run."""
+    blocks and the scalar tail (21 columns) both run. ``resident``: the first columns come from
+    the device pool by slot (the ring slot's copies of them are garbage, never read)."""
     from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention, unfold_gqa
 
     g = torch.Generator().manual_seed(rows * 100 + columns)
@@ -217,7 +220,22 @@ def test_fused_sparse_attention_equals_fold_sdpa_scatter(dtype, rows, positions,
     if positions > 1:
         out_tok[0, -1] = -1  # nothing rides there: its token's output stays untouched
     out = torch.full((tokens, hq, d), 7.0, dtype=dtype)
-    native.sparse_attend(q3, q_tok, keys, values, mask, out, out_tok, 0.125)
+    res = None
+    if resident:
+        n_res = columns // 3
+        pool_k = torch.randn(50, hkv, d, generator=g).to(dtype)
+        pool_v = torch.randn(50, hkv, d, generator=g).to(dtype)
+        slots = torch.randint(0, 50, (rows, n_res), generator=g)
+        res = (pool_k, pool_v, slots)
+        keys, values = keys.clone(), values.clone()
+        want_k, want_v = keys.clone(), values.clone()
+        want_k[:rows, :, :n_res] = pool_k[slots].transpose(1, 2)
+        want_v[:rows, :, :n_res] = pool_v[slots].transpose(1, 2)
+        keys[:, :, :n_res] = float("nan")  # never read
+        values[:, :, :n_res] = float("nan")
+    native.sparse_attend(q3, q_tok, keys, values, mask, out, out_tok, 0.125, res)
+    if resident:
+        keys, values = want_k, want_v
     group = hq // hkv
     o = sparse_decode_attention(fold_gqa(q3[q_tok].float(), hkv), keys[:rows, :, :columns].float(),
                                 values[:rows, :, :columns].float(),

@@ -757,6 +757,9 @@ int dd_measure(int R, int H, int G, int D, int P, int K, const float *q, const i
  * k, v ring slot [rows, H, ncols, D] (kv_bf16: bfloat16, else float32), contiguous
  * mask [R, P, N] uint8 (N <= ncols, at least one column set where out_tok >= 0)
  * out  token t's head j at out + t * out_stride + j * D; out_tok [R, P]: the output token, or -1
+ * pool_k, pool_v, res, n_res: when pool_k is not NULL, columns c < n_res (the resident set) are
+ *      read from the device pool [slots, H, D] at slot res[r n_res + c] instead of the ring slot
+ *      (which then need not hold them)
  * Tasks over `threads` OpenMP threads. Returns 0, or -1 (G > MAXG, D > MAXD, no memory). */
 static inline float act_load(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -770,24 +773,24 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Row `c` of a ring slot's (r, h) block as float32 into dst[0..D). */
-static inline void kv_row(const void *base, int bf16, int64_t row, int D, float *dst) {
+/* The K or V row at `src` (D elements) as float32 into dst[0..D). */
+static inline void kv_row(const void *src, int bf16, int D, float *dst) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
         if (bf16) {
-            const uint16_t *s = (const uint16_t *)base + row * D;
+            const uint16_t *s = (const uint16_t *)src;
             for (int d = 0; d < D; d += 16) {
                 __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + d)));
                 _mm512_store_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
             }
         } else {
-            const float *s = (const float *)base + row * D;
+            const float *s = (const float *)src;
             for (int d = 0; d < D; d += 16) _mm512_store_ps(dst + d, _mm512_loadu_ps(s + d));
         }
         return;
     }
 #endif
-    for (int d = 0; d < D; d++) dst[d] = act_load(base, bf16, row * D + d);
+    for (int d = 0; d < D; d++) dst[d] = act_load(src, bf16, d);
 }
 
 /* One (row r, KV head h) task: every query of the row's positions that have an output token
@@ -798,7 +801,8 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
                         int64_t q_stride, const int64_t *q_tok, const void *k, const void *v, const uint8_t *mask,
                         void *out, int64_t out_stride, const int64_t *out_tok, int act_bf16, int kv_bf16,
                         float scale, int32_t *cols, float *s, float (*kb)[MAXD], float (*qf)[MAXD],
-                        float (*o)[MAXD]) {
+                        float (*o)[MAXD], const void *pool_k, const void *pool_v, const int64_t *res, int n_res,
+                        const char **kp, const char **vp) {
     float row[MAXD] __attribute__((aligned(64)));
     int pos[MAXG], Q = 0; /* the positions with an output, in order; query j = (pos[j / G], g = j % G) */
     const int64_t blk = ((int64_t)r * H + h) * ncols; /* first row of the (r, h) block */
@@ -826,12 +830,26 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
         partial |= any & !all;
     }
     if (n == 0) return;
+    /* each column's K and V rows: the ring slot's, or for a resident column c < n_res (pool_k set),
+     * the device pool's row of slot res[r n_res + c] */
+    const int esz = kv_bf16 ? 2 : 4;
+    for (int c = 0; c < n; c++) {
+        int col = cols[c];
+        int64_t off = (blk + col) * D * esz;
+        const char *kb0 = (const char *)k, *vb0 = (const char *)v;
+        if (pool_k && col < n_res) {
+            off = (res[(int64_t)r * n_res + col] * H + h) * D * esz;
+            kb0 = (const char *)pool_k, vb0 = (const char *)pool_v;
+        }
+        kp[c] = kb0 + off;
+        vp[c] = vb0 + off;
+    }
     /* scores s[j n + i] = scale q_j . k_{cols[i]} */
     int i = 0;
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
         for (; i + 16 <= n; i += 16) {
-            for (int u = 0; u < 16; u++) kv_row(k, kv_bf16, blk + cols[i + u], D, kb[u]);
+            for (int u = 0; u < 16; u++) kv_row(kp[i + u], kv_bf16, D, kb[u]);
             for (int j = 0; j < Q; j++) {
                 __m512 acc[16];
                 for (int u = 0; u < 16; u++) {
@@ -859,7 +877,7 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
     }
 #endif
     for (; i < n; i++) {
-        kv_row(k, kv_bf16, blk + cols[i], D, row);
+        kv_row(kp[i], kv_bf16, D, row);
         for (int j = 0; j < Q; j++) {
             float a = 0.0f;
             for (int d = 0; d < D; d++) a += qf[j][d] * row[d];
@@ -894,7 +912,7 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
     }
     /* o_j = sum_i w_ji v_i */
     for (i = 0; i < n; i++) {
-        kv_row(v, kv_bf16, blk + cols[i], D, row);
+        kv_row(vp[i], kv_bf16, D, row);
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
             for (int j = 0; j < Q; j++) {
@@ -925,7 +943,7 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
 int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, const void *q, int64_t q_stride,
                      const int64_t *q_tok, const void *k, const void *v, const uint8_t *mask, void *out,
                      int64_t out_stride, const int64_t *out_tok, int act_bf16, int kv_bf16, float scale,
-                     int threads) {
+                     const void *pool_k, const void *pool_v, const int64_t *res, int n_res, int threads) {
     if (G < 1 || (int64_t)P * G > MAXG || D < 1 || D > MAXD || N < 1 || N > ncols) return -1;
     if (threads < 1) threads = 1;
     int tasks = R * H, rc = 0;
@@ -936,7 +954,8 @@ int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, co
         float *s = malloc(sizeof(float) * (size_t)P * G * N);
         float(*kb)[MAXD] = aligned_alloc(64, sizeof(float) * 16 * MAXD);      /* 16 key rows */
         float(*qo)[MAXD] = aligned_alloc(64, sizeof(float) * 2 * (size_t)P * G * MAXD); /* queries, outputs */
-        if (!cols || !s || !kb || !qo) rc = 1;
+        const char **kp = malloc(sizeof(char *) * 2 * (size_t)N), **vp = kp ? kp + N : NULL;
+        if (!cols || !s || !kb || !qo || !kp) rc = 1;
 #ifdef _OPENMP
         int id = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
@@ -944,11 +963,12 @@ int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, co
 #endif
         for (int t = id; t < tasks && !rc; t += nt)
             attend_task(t / H, t % H, H, G, P, D, N, ncols, q, q_stride, q_tok, k, v, mask, out, out_stride, out_tok,
-                        act_bf16, kv_bf16, scale, cols, s, kb, qo, qo + P * G);
+                        act_bf16, kv_bf16, scale, cols, s, kb, qo, qo + P * G, pool_k, pool_v, res, n_res, kp, vp);
         free(cols);
         free(s);
         free(kb);
         free(qo);
+        free(kp);
     }
     return rc ? -1 : 0;
 }

@@ -143,7 +143,7 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
         lib.dd_gather_rows.restype = None
         lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
         lib.dd_copy_rows.restype = None
-        lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, i]
+        lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, p, p, p, i, i]
         lib.dd_sparse_attend.restype = ctypes.c_int
         lib.dd_measure.argtypes = [i, i, i, i, i, i, p, p, p, p, i, p, p, f, p, p, p, i]
         lib.dd_measure.restype = ctypes.c_int
@@ -307,7 +307,8 @@ _ATTEND_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  out: torch.Tensor, out_tok: torch.Tensor, scale: float) -> None:  # fmt: skip
+                  out: torch.Tensor, out_tok: torch.Tensor, scale: float,
+                  resident: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """Sparse decode attention of a step's rows over their ring slot, written into the layer's
     output (``dd_sparse_attend`` in ``cpu_select.c``): for each plan row ``r``, KV head ``h`` and
     query position ``p`` with ``out_tok[r, p] >= 0``, each of the ``G`` query heads of ``h`` attends
@@ -326,6 +327,10 @@ def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, valu
         out: ``[tokens', Hq, D]``, ``q``'s dtype, heads ``D`` apart.
         out_tok: ``[R, P]`` int64, each output's token, or -1 (position unused: nothing written).
         scale: softmax scale.
+        resident: ``(pool_k, pool_v, slots)``: read columns ``[0, n_res)`` (the resident set) from the
+            device pool's ``[slots, Hkv, D]`` buffers (contiguous, the slot's dtype) at ``slots``
+            ``[R, n_res]`` (int64, contiguous) instead of the ring slot, which then need not hold
+            them; None: every column from the ring slot.
 
     Raises:
         NativeUnavailable: the kernel is not loaded.
@@ -348,12 +353,24 @@ def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, valu
     if mask.shape[:2] != (r, p) or mask.shape[2] > ncols or keys.shape[0] < r or values.shape != keys.shape:
         raise ValueError(f"sparse_attend: mask {tuple(mask.shape)} / slot {tuple(keys.shape)} do not match "
                          f"{r} rows x {p} positions")  # fmt: skip
+    pool_k = pool_v = res = None
+    n_res = 0
+    if resident is not None:
+        pool_k, pool_v, res = resident
+        if pool_k.dtype != keys.dtype or pool_v.dtype != keys.dtype or pool_k.shape[1:] != (hkv, d) \
+                or pool_v.shape != pool_k.shape or res.shape[0] != r or res.dtype != torch.int64 \
+                or not (pool_k.is_contiguous() and pool_v.is_contiguous() and res.is_contiguous()):  # fmt: skip
+            raise ValueError(f"sparse_attend: resident pool {tuple(pool_k.shape)} {pool_k.dtype} / slots "
+                             f"{tuple(res.shape)} {res.dtype} do not match the slot {tuple(keys.shape)} {keys.dtype}")
+        n_res = res.shape[1]
     tasks = r * hkv
     threads = torch.get_num_threads() if tasks >= ATTEND_PARALLEL_TASKS else 1
     rc = lib.dd_sparse_attend(r, hkv, hq // hkv, p, d, mask.shape[2], ncols, q.data_ptr(), q.stride(0), q_tok.data_ptr(),
                               keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), out.stride(0),
                               out_tok.data_ptr(), int(q.dtype == torch.bfloat16), int(keys.dtype == torch.bfloat16),
-                              float(scale), threads)  # fmt: skip
+                              float(scale), pool_k.data_ptr() if pool_k is not None else None,
+                              pool_v.data_ptr() if pool_v is not None else None,
+                              res.data_ptr() if res is not None else None, n_res, threads)  # fmt: skip
     if rc != 0:
         raise ValueError(f"sparse_attend: the kernel refused G={hq // hkv}, D={d}, N={mask.shape[2]} "
                          f"(at most {MAX_QUERIES} query heads per KV head, head_dim {MAX_HEAD_DIM})")  # fmt: skip

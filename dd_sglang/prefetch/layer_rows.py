@@ -24,7 +24,8 @@ move instead of a chain of indexing, permuting and reshaping operations
   their ring-slot rows (columns ``[n_res, n_res + k)``).
 * **Fused attention** (:func:`~dd_sglang.kernels.native.sparse_attend`): ``q_tok`` /
   ``out_tok`` ``[R, P]``, each query position's input token and output token (-1: no token
-  rides there), and the step's mask, contiguous.
+  rides there), the step's mask, contiguous, and ``res_slots`` ``[R, n_res]``, the device-pool
+  slots of the resident columns (the kernel reads them from the pool, not the ring).
 * **Selection queries.** ``sel_rows``: per ahead group, rows of the layer's
   queries in the order :func:`~dd_sglang.prefetch.runner._selection_queries`
   returns them (``[n, Hkv x Q x G, D]``).
@@ -61,6 +62,7 @@ class LayerRows:
     q_tok: torch.Tensor
     out_tok: torch.Tensor
     mask: torch.Tensor
+    res_slots: torch.Tensor
     _spec_src: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def spec_src(self, token_stride: int) -> torch.Tensor:
@@ -113,14 +115,14 @@ def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) 
     out_tok = torch.full((r, p), -1, dtype=torch.int64)
     out_tok[row, pos] = tok
     return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, spec_dst, spec_token, spec_head, tuple(sel),
-                     qidx.contiguous(), out_tok, plan.mask.to("cpu").contiguous())  # fmt: skip
+                     qidx.contiguous(), out_tok, plan.mask.to("cpu").contiguous(), res.contiguous())  # fmt: skip
 
 
 def fixed_rows(plan: StepPlan, hkv: int, slot_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
     """Host-tier source rows of every layer's fixed sets, ``[layers, n_fixed x Hkv x k]`` int64, and
     their ring-slot rows ``[n_fixed x Hkv x k]`` (columns ``[n_res, n_res + k)`` of plan rows
     ``[0, n_fixed)``), in the order :func:`~dd_sglang.prefetch.gather.flat_rows` lists them."""
-    slots = torch.stack(plan.fixed_slots)  # [L, n_fixed, Hkv, k]
+    slots = plan.fixed_slots  # [L, n_fixed, Hkv, k]
     src = (slots * hkv + torch.arange(hkv).view(1, 1, hkv, 1)).flatten(1)
     dst = ring_rows(torch.arange(plan.n_fixed), hkv, slot_shape[2], plan.n_res, plan.k)
     return src, dst

@@ -72,25 +72,42 @@ class RequestPrediction:
 class NextSets:
     """Critical sets chosen during a step for the next one (lookahead rows), filled layer by layer.
 
-    ``rids``: the rows' request ids in selection order; ``pos[layer]`` / ``slots[layer]``:
-    ``[len(rids), num_kv_heads, k]`` int64 positions and host slots (``k``: the largest
-    ``top_k`` among the rows; columns past a row's own are padding).
+    ``rids``: the rows' request ids in selection order; ``pos`` / ``slots``: ``[layers,
+    len(rids), num_kv_heads, k]`` int64 positions and host slots, allocated at the first
+    :meth:`put_layers` (``k``: the largest ``top_k`` among the rows; columns past a row's own are
+    padding); ``filled``: the layers stored so far.
     """
 
     rids: tuple[str, ...] = ()
     k: int = 1
-    pos: dict[int, torch.Tensor] = field(default_factory=dict)
-    slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    layers: int = 0
+    pos: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    filled: set[int] = field(default_factory=set)
 
     def put(self, layer: int, dest: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store the sets of rows ``dest`` (``[n]`` int64 indices into :attr:`rids`) for ``layer``."""
-        if layer not in self.pos:
-            shape = (len(self.rids), pos.shape[1], self.k)
-            self.pos[layer] = torch.zeros(shape, dtype=torch.int64)
-            self.slots[layer] = torch.zeros(shape, dtype=torch.int64)
-        w = pos.shape[2]
-        self.pos[layer][dest, :, :w] = pos
-        self.slots[layer][dest, :, :w] = slots
+        """Store the sets of rows ``dest`` (``[n]`` int64 indices into :attr:`rids`) for ``layer``
+        (``pos`` / ``slots``: ``[n, Hkv, w]``, ``w <= k``)."""
+        self.put_layers(layer, dest, pos[None], slots[None])
+
+    def put_layers(self, l0: int, dest: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the sets of rows ``dest`` for layers ``[l0, l0 + L)`` (``pos`` / ``slots``: ``[L, n, Hkv,
+        w]``, ``w <= k``) in one indexed write each.
+
+        Raises:
+            ValueError: the layers fall outside ``[0, layers)``.
+        """
+        l1 = l0 + pos.shape[0]
+        if l0 < 0 or l1 > self.layers:
+            raise ValueError(f"layers [{l0}, {l1}) outside [0, {self.layers})")
+        if self.pos is None:
+            shape = (self.layers, len(self.rids), pos.shape[2], self.k)
+            self.pos = torch.zeros(shape, dtype=torch.int64)
+            self.slots = torch.zeros(shape, dtype=torch.int64)
+        w = pos.shape[3]
+        self.pos[l0:l1, dest, :, :w] = pos
+        self.slots[l0:l1, dest, :, :w] = slots
+        self.filled.update(range(l0, l1))
 
 
 class PredictionStore:
@@ -145,8 +162,8 @@ class StepPlan:
         batch_size: the batch's real rows (speculated positions follow them).
         n_ahead, n_fixed: plan rows ``[0, n_ahead)`` have sets chosen last step, ``[n_ahead,
             n_fixed)`` take every candidate, ``[n_fixed, R)`` select at attention time.
-        fixed_pos, fixed_slots: per host layer, ``[n_fixed, Hkv, k]`` int64 positions / host
-            slots of the fixed rows' critical sets (padding points at slot 0, masked).
+        fixed_pos, fixed_slots: ``[layers, n_fixed, Hkv, k]`` int64 positions / host slots of the
+            fixed rows' critical sets (padding points at slot 0, masked; may be an expanded view).
         sync: selections at attention time (groups of rows ``[n_fixed, R)``).
         ahead: selections of the next step's sets, made after each layer's attention.
         blocks: every row's candidate blocks.
@@ -176,8 +193,8 @@ class StepPlan:
     batch_size: int
     n_ahead: int
     n_fixed: int
-    fixed_pos: tuple[torch.Tensor, ...]
-    fixed_slots: tuple[torch.Tensor, ...]
+    fixed_pos: torch.Tensor
+    fixed_slots: torch.Tensor
     sync: tuple[SelectionGroup, ...]
     ahead: tuple[SelectionGroup, ...]
     blocks: RowBlocks
@@ -322,7 +339,7 @@ def _rows(fb, rt, inp: PlanInputs) -> list[_Row]:
 
 def _classify(rows: list[_Row], nxt: NextSets, n_layers: int) -> list[_Row]:
     """Mark each row ahead / full / sync and order them so (module docstring, step 3)."""
-    have = set(nxt.rids) if len(nxt.pos) == n_layers else set()
+    have = set(nxt.rids) if len(nxt.filled) == n_layers == nxt.layers else set()
     for r in rows:
         if _is_full(r):
             r.kind = "full"
@@ -332,24 +349,21 @@ def _classify(rows: list[_Row], nxt: NextSets, n_layers: int) -> list[_Row]:
 
 
 def _fixed_sets(rows: list[_Row], nxt: NextSets, n_ahead: int, n_fixed: int, k: int, hkv: int, n_layers: int):
-    """Per layer, ``[n_fixed, Hkv, k]`` positions and host slots of the fixed rows: last step's
-    selections (one gather per layer) then every candidate of the full rows."""
+    """``[layers, n_fixed, Hkv, k]`` positions and host slots of the fixed rows: last step's
+    selections (one gather for every layer) then every candidate of the full rows."""
+    full = rows[n_ahead:n_fixed]
+    full_pos = _pad_stack([r.cand for r in full], k)[None, :, None].expand(n_layers, -1, hkv, -1)
+    full_slots = _pad_stack([r.st.host_slots[r.cand] for r in full], k)[None, :, None].expand(n_layers, -1, hkv, -1)
+    if not n_ahead:
+        return full_pos, full_slots
     where = {rid: j for j, rid in enumerate(nxt.rids)}
     perm = torch.tensor([where[r.st.rid] for r in rows[:n_ahead]], dtype=torch.int64)
-    full = rows[n_ahead:n_fixed]
-    full_pos = _pad_stack([r.cand for r in full], k).unsqueeze(1).expand(-1, hkv, -1)
-    full_slots = _pad_stack([r.st.host_slots[r.cand] for r in full], k).unsqueeze(1).expand(-1, hkv, -1)
-    fixed_pos, fixed_slots = [], []
-    for layer in range(n_layers):
-        p, s = full_pos, full_slots
-        if n_ahead:
-            pad = (0, max(0, k - nxt.k))
-            a = torch.nn.functional.pad(nxt.pos[layer][perm], pad)[..., :k]
-            b = torch.nn.functional.pad(nxt.slots[layer][perm], pad)[..., :k]
-            p, s = torch.cat([a, full_pos]), torch.cat([b, full_slots])
-        fixed_pos.append(p)
-        fixed_slots.append(s)
-    return tuple(fixed_pos), tuple(fixed_slots)
+    pad = (0, max(0, k - nxt.k))
+    a = torch.nn.functional.pad(nxt.pos[:, perm], pad)[..., :k]
+    b = torch.nn.functional.pad(nxt.slots[:, perm], pad)[..., :k]
+    if not full:
+        return a, b
+    return torch.cat([a, full_pos], dim=1), torch.cat([b, full_slots], dim=1)
 
 
 def _ride(fb, rows: list[_Row]) -> tuple[list, dict, torch.Tensor]:
@@ -398,9 +412,8 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     spec, spec_tok, qidx = _ride(fb, rows)
     ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
     # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
-    inp.store.next_sets = NextSets(
-        tuple(rows[j].st.rid for j in ahead_rows), max((rows[j].st.top_k for j in ahead_rows), default=1)
-    )
+    inp.store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
+                                   max((rows[j].st.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
     repair = [j for j in range(n_ahead) if rows[j].rejected and (rows[j].st.miss_policy or inp.miss_policy) == "repair"]
     budget = inp.repair_budget if repair else 0
     n_res = max(int(r.dev_pos.numel()) for r in rows)

@@ -205,7 +205,7 @@ class SparseStepRunner:
         self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
         self._sel_next: list[int] = []  # per ahead group, the first layer not yet selected
         self.tally = StepTally()
-        self._slot: tuple[torch.Tensor, torch.Tensor] | None = None  # the layer's ring slot, for attend()
+        self._slot: tuple | None = None  # the layer's ring slot and device-pool K/V, for attend()
         self._taken_for: StepPlan | None = None  # :meth:`_blocks_of`'s plan and its taken blocks
         self._taken: dict = {}
         #: :meth:`_resident_rows`' last ``(plan, slot shape)`` and its rows.
@@ -384,8 +384,13 @@ class SparseStepRunner:
         d = k_buf.shape[2]
         rows = self.layer_rows(plan, q3.shape[1], slot_k.shape)
         row_bytes = d * k_buf.element_size()
-        native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(), slot_v.data_ptr(),
-                                            rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
+        st, hkv = q3.stride(), k_buf.shape[1]
+        fused = (q3.dtype in (torch.bfloat16, torch.float32) and st[2] == 1 and st[1] == d and v_buf.shape[2] == d
+                 and plan.positions * (q3.shape[1] // hkv) <= native_kernel.MAX_QUERIES
+                 and d <= native_kernel.MAX_HEAD_DIM)  # fmt: skip
+        if not fused or plan.exact_rows:  # the fused kernel reads the resident set from the pool itself
+            native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(),
+                                                slot_v.data_ptr(), rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
         if rows.spec_dst.numel():
             for new, slot, dst in ((k3, slot_k, keys), (v3, slot_v, values)):
                 st = new.stride()
@@ -394,10 +399,8 @@ class SparseStepRunner:
                                                       rows.spec_dst, row_bytes)  # fmt: skip
                 else:
                     dst[plan.spec_rows, :, plan.spec_cols] = new[plan.spec_tokens].to(dst.dtype)
-        st, hkv = q3.stride(), k_buf.shape[1]
-        if (q3.dtype in (torch.bfloat16, torch.float32) and st[2] == 1 and st[1] == d and v_buf.shape[2] == d
-                and plan.positions * (q3.shape[1] // hkv) <= native_kernel.MAX_QUERIES and d <= native_kernel.MAX_HEAD_DIM):
-            self._slot = (slot_k, slot_v)  # fmt: skip
+        if fused:
+            self._slot = (slot_k, slot_v, k_buf, v_buf)
             return None
         q = q3.reshape(-1, q3.shape[2]).index_select(0, rows.q_rows)
         return q.view(plan.num_rows, hkv, -1, q3.shape[2])
@@ -410,8 +413,9 @@ class SparseStepRunner:
         (:class:`~dd_sglang.kernels.dispatch.SparseAttention`) then :meth:`scatter_output`."""
         if q is None:
             rows = self._rows
-            slot_k, slot_v = self._slot
-            native_kernel.sparse_attend(q3, rows.q_tok, slot_k, slot_v, rows.mask, out, rows.out_tok, scale)
+            slot_k, slot_v, pool_k, pool_v = self._slot
+            native_kernel.sparse_attend(q3, rows.q_tok, slot_k, slot_v, rows.mask, out, rows.out_tok, scale,
+                                        (pool_k, pool_v, rows.res_slots))  # fmt: skip
             return
         self.scatter_output(plan, attention.run(q, keys, values, scale), out)
 
@@ -581,9 +585,7 @@ class SparseStepRunner:
         l1 = l0 + q.shape[0]
         index = self._index_of(g.selector)
         pos, slots = g.selector.select_layers(q, g.blocks, self.host.k[l0:l1], g.k, scale, index, slice(l0, l1))
-        nxt = self.store.next_sets
-        for i, layer in enumerate(range(l0, l1)):
-            nxt.put(layer, g.dest, pos[i], slots[i])
+        self.store.next_sets.put_layers(l0, g.dest, pos, slots)
         self.tally.phase("select_ahead", time.perf_counter() - t0)
 
     def _measure(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> None:
