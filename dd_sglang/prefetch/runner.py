@@ -204,6 +204,8 @@ class SparseStepRunner:
         self._rows: LayerRows | None = None
         self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
         self._sel_next: list[int] = []  # per ahead group, the first layer not yet selected
+        self._sel_chunk: list[int | None] = []  # per ahead group, its layers per selection call
+        self._use_misses = 0
         self.tally = StepTally()
         self._slot: tuple | None = None  # the layer's ring slot and device-pool K/V, for attend()
         self._taken_for: StepPlan | None = None  # :meth:`_blocks_of`'s plan and its taken blocks
@@ -274,6 +276,9 @@ class SparseStepRunner:
         plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
         self._pending = [{} for _ in plan.ahead] if plan is not None else []
         self._sel_next = [0 for _ in plan.ahead] if plan is not None else []
+        self._sel_chunk = [None for _ in plan.ahead] if plan is not None else []
+        if plan is not None:  # rows whose rejected speculation is not repaired: counted each layer
+            self._use_misses = sum(plan.rejected[: plan.n_ahead]) - int(plan.repair_rows.numel())
         if plan is None:
             self.schedule.end_step()
             self.ring.release()
@@ -509,7 +514,6 @@ class SparseStepRunner:
         """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
         if plan.n_fixed:
             self.schedule.done(layer)
-        host_k = self.host.k[layer]
         nxt = self.store.next_sets
         last = layer == self.host.layer_num - 1
         fast = self.fast and self.schedule.select_inline and self._rows_for is not None and self._rows_for[0] is plan
@@ -526,8 +530,9 @@ class SparseStepRunner:
                     pending.clear()
                 continue
             index = self._index_of(g.selector)
+            host_k = self.host.k[layer]
 
-            def select(g=g, q=q, index=index) -> None:
+            def select(g=g, q=q, index=index, host_k=host_k) -> None:
                 t0 = time.perf_counter()
                 pos, slots = g.selector.select(q, g.blocks, host_k, g.k, scale, index, layer)
                 nxt.put(layer, g.dest, pos, slots)
@@ -537,10 +542,8 @@ class SparseStepRunner:
         if plan.sampled.numel():
             q = q3[plan.qidx[plan.sampled.to(plan.qidx.device), 0]].detach().to("cpu", copy=True)
             self.schedule.submit_select(lambda: self._measure(plan, layer, q, scale))
-        misses = [j for j in range(plan.n_ahead) if plan.rejected[j]]
-        n_use = len(misses) - int(plan.repair_rows.numel())
-        if n_use > 0:
-            self.tally.miss("use_prefetched", n_use, 0)
+        if self._use_misses > 0:
+            self.tally.miss("use_prefetched", self._use_misses, 0)
         if last:
             self.tally.flush(self.events)
 
@@ -550,16 +553,18 @@ class SparseStepRunner:
         view of it (no stacking)."""
         d = q3.shape[2]
         sel = self._rows.sel_rows[gi]
-        n = int(g.query.shape[0])
-        shape = (self.host.layer_num, n, sel.numel() // n, d)
-        if gi >= len(self._sel_buf):
-            self._sel_buf.append(q3.new_empty(0))
+        if self._sel_chunk[gi] is None:  # the step's first layer: the buffer and the chunk size
+            n = int(g.query.shape[0])
+            shape = (self.host.layer_num, n, sel.numel() // n, d)
+            if gi >= len(self._sel_buf):
+                self._sel_buf.append(q3.new_empty(0))
+            if tuple(self._sel_buf[gi].shape) != shape or self._sel_buf[gi].dtype != q3.dtype:
+                self._sel_buf[gi] = q3.new_empty(shape)
+            self._sel_chunk[gi] = _chunk_layers(g, self._sel_buf[gi][0])
         buf = self._sel_buf[gi]
-        if tuple(buf.shape) != shape or buf.dtype != q3.dtype:
-            buf = self._sel_buf[gi] = q3.new_empty(shape)
         torch.index_select(q3.reshape(-1, d), 0, sel, out=buf[layer].view(-1, d))
         l0 = self._sel_next[gi]
-        if layer + 1 - l0 == _chunk_layers(g, buf[0]) or last:
+        if layer + 1 - l0 == self._sel_chunk[gi] or last:
             self._select_layers_view(g, buf[l0 : layer + 1], l0, scale)
             self._sel_next[gi] = layer + 1
 
