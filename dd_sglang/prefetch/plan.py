@@ -506,7 +506,10 @@ def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_
             mix = torch.tensor([real_query == "always" or rows[j].pred.spec.branch is None for j in js])
             q = torch.cat([q, torch.where(mix, qidx[idx, 0], qidx[idx, 1]).unsqueeze(1)], 1)
         dest = torch.tensor([order[j] for j in js], dtype=torch.int64)
-        out.append(SelectionGroup(sel, idx, q, blocks.take(idx), max(rows[j].st.top_k for j in js), dest))
+        # Every row, in order (one selector, no cold start): the step's blocks themselves, so their
+        # cached ``tokens`` are built once for the plan and the selection.
+        taken = blocks if js == list(range(len(rows))) else blocks.take(idx)
+        out.append(SelectionGroup(sel, idx, q, taken, max(rows[j].st.top_k for j in js), dest))
     return out
 
 
