@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import socket
@@ -19,8 +20,37 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: Lowest port :func:`free_port` draws from; it draws below the kernel's ephemeral range.
+PORT_FLOOR = 20000
+
+
+def _ephemeral_low() -> int:
+    """First port of the kernel's ephemeral range (``ip_local_port_range``; 32768 if unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
+    """A currently free TCP port on 127.0.0.1, drawn at random below the ephemeral range.
+
+    A port the kernel handed out for ``bind(0)`` lies in the ephemeral range, which it also uses for
+    the local side of outgoing connections: between this call and the server's own bind, a client
+    connection (SGLang's start-up makes many) could take it ("Address already in use", seen in a
+    full test run). Ports below that range are never assigned to outgoing connections. Falls back to
+    ``bind(0)`` after 200 taken draws.
+    """
+    hi = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200 if hi > PORT_FLOOR + 100 else 0):
+        port = rng.randrange(PORT_FLOOR, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
