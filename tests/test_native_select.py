@@ -263,3 +263,22 @@ def test_fused_sparse_attention_refuses_what_it_does_not_take():
         native.sparse_attend(q.transpose(1, 2), tok, keys, keys, mask, torch.empty(4, 9, 64), tok, 0.1)
     with pytest.raises(ValueError, match="mask"):
         native.sparse_attend(q, tok, keys, keys, torch.ones(1, 2, 11, dtype=torch.bool), torch.empty(4, 9, 64), tok, 0.1)
+
+
+def test_int8_index_update_in_chunks_equals_per_layer_quantisation(monkeypatch):
+    """``QuantKeyIndex.update`` quantises every layer at once in chunks of positions: the same int8
+    keys and scales as quantising each layer's keys on its own (absmax / 127, round half to even)."""
+    from dd_sglang.prefetch import index as index_mod
+
+    g = torch.Generator().manual_seed(5)
+    host_k = torch.randn(3, 300, 3, 64, generator=g).bfloat16()
+    slots = torch.randperm(300, generator=g)
+    monkeypatch.setattr(index_mod, "UPDATE_CHUNK_BYTES", 3 * 3 * 64 * 4 * 7)  # 7 positions a chunk
+    idx = QuantKeyIndex(host_k)
+    idx.update(slots, 10, 250)
+    for layer in range(3):
+        keys = host_k[layer, slots[10:250]].float()
+        s = keys.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+        assert torch.equal(idx.q8[layer, slots[10:250]], (keys / s.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8))
+        assert torch.equal(idx.scale[layer, slots[10:250]], s)
+    assert not idx.q8[:, slots[:10]].any() and not idx.q8[:, slots[250:]].any()

@@ -131,6 +131,10 @@ def quant_index_bytes_bound(tier_bytes: int) -> int:
     return -(-tier_bytes * 68 // 256)
 
 
+#: :meth:`QuantKeyIndex.update`: largest float32 temporary of one chunk of positions (bytes).
+UPDATE_CHUNK_BYTES = 32 << 20
+
+
 class QuantKeyIndex:
     """Int8 copy of the host tier's keys with per-token absmax scales (module docstring).
 
@@ -161,13 +165,19 @@ class QuantKeyIndex:
             host_slots: ``[>= end]`` int64, the request's host slot per position.
             start, end: positions, ``0 <= start < end``.
         """
-        slots = host_slots[start:end].to(self.host_k.device)
-        dst = slots.to(self.device)
-        for layer in range(self.host_k.shape[0]):
-            keys = self.host_k[layer].index_select(0, slots).float()  # [n, Hkv, D]
+        all_slots = host_slots[start:end].to(self.host_k.device)
+        n_layers, _, hkv, d = self.host_k.shape
+        # Every layer at once (a handful of operations, not ten a layer), in chunks of positions
+        # whose float32 keys [L, n, Hkv, D] stay within UPDATE_CHUNK_BYTES (a whole prompt's
+        # offload would otherwise make one temporary of its every layer's keys).
+        step = max(1, UPDATE_CHUNK_BYTES // (n_layers * hkv * d * 4))
+        for i in range(0, all_slots.numel(), step):
+            slots = all_slots[i : i + step]
+            dst = slots.to(self.device)
+            keys = self.host_k.index_select(1, slots).float()
             s = keys.abs().amax(dim=-1).clamp_(min=1e-12).div_(127.0)
-            self.q8[layer, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
-            self.scale[layer, dst] = s.to(self.device)
+            self.q8[:, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
+            self.scale[:, dst] = s.to(self.device)
 
     def candidate_logits(self, q: torch.Tensor, layers: slice, rows: RowBlocks, scale: float) -> torch.Tensor:
         """Approximate logits of every candidate token of every row, int8 x int8, ``L`` layers at once.

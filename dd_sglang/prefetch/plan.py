@@ -357,10 +357,15 @@ def _fixed_sets(rows: list[_Row], nxt: NextSets, n_ahead: int, n_fixed: int, k: 
     if not n_ahead:
         return full_pos, full_slots
     where = {rid: j for j, rid in enumerate(nxt.rids)}
-    perm = torch.tensor([where[r.st.rid] for r in rows[:n_ahead]], dtype=torch.int64)
-    pad = (0, max(0, k - nxt.k))
-    a = torch.nn.functional.pad(nxt.pos[:, perm], pad)[..., :k]
-    b = torch.nn.functional.pad(nxt.slots[:, perm], pad)[..., :k]
+    order = [where[r.st.rid] for r in rows[:n_ahead]]
+    a, b = nxt.pos, nxt.slots
+    if order != list(range(a.shape[1])):  # rows joined, left or moved since the selection
+        perm = torch.tensor(order, dtype=torch.int64)
+        a, b = a[:, perm], b[:, perm]
+    if k != nxt.k:
+        pad = (0, max(0, k - nxt.k))
+        a = torch.nn.functional.pad(a, pad)[..., :k]
+        b = torch.nn.functional.pad(b, pad)[..., :k]
     if not full:
         return a, b
     return torch.cat([a, full_pos], dim=1), torch.cat([b, full_slots], dim=1)
