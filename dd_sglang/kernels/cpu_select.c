@@ -947,6 +947,7 @@ int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, co
     if (G < 1 || (int64_t)P * G > MAXG || D < 1 || D > MAXD || N < 1 || N > ncols) return -1;
     if (threads < 1) threads = 1;
     int tasks = R * H, rc = 0;
+    if (tasks <= 0) return 0; /* no row: nothing to write */
     if (threads > tasks) threads = tasks;
 #pragma omp parallel num_threads(threads) reduction(| : rc)
     {
