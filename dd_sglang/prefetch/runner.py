@@ -126,9 +126,11 @@ class StepTally:
         self.misses: dict[str, list[int]] = {}
 
     def phase(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to phase ``name`` (:meth:`PrefetchEvents.phase`)."""
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
+        """Count ``n`` (request, layer) misses under ``policy`` and their repaired tokens (:meth:`PrefetchEvents.miss`)."""
         m = self.misses.setdefault(policy, [0, 0])
         m[0] += n
         m[1] += repaired_tokens
