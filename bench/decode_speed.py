@@ -59,6 +59,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -253,9 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                         r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
                     rounds[cell].setdefault(key, []).append(r)
                     print(f"round {i + 1} {cell} {key}: {r[TPS]:.2f} tok/s", flush=True)
+    except BaseException:
+        print(f"server logs kept in {tmp}", file=sys.stderr)
+        raise
     finally:
         for srv in started.values():
             srv.stop()
+    shutil.rmtree(tmp, ignore_errors=True)  # the stopped servers' logs and presets: nothing left in /tmp
     srv = started["dualdecoder"]
     for cell, by_key in rounds.items():
         for key, runs in by_key.items():
