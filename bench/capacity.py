@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -95,6 +96,10 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
         poller.join()
     finally:
         rc, alive = srv.stop()
+    if rc == 0 and not alive:  # a clean stop: its log and folder go (else they stay for diagnosis)
+        shutil.rmtree(log.parent, ignore_errors=True)
+    else:
+        print(f"{spec}: server log kept in {log}", file=sys.stderr)
     state = "DECODE_SPARSE" if backend == "dualdecoder" else "DENSE"
     key = f'dd_dualpath_requests{{state="{state}"}}'
     tokens = sum(r["chunks"] for r in results)
