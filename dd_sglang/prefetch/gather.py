@@ -42,9 +42,10 @@ BLOCK_QUOTA = 1
 
 
 def flat_rows(slots: torch.Tensor) -> torch.Tensor:
-    """``[n, Hkv, k]`` host slots -> ``[n x Hkv x k]`` int64 rows of a layer's ``[slots x Hkv, D]`` view."""
-    hkv = slots.shape[1]
-    return (slots * hkv + torch.arange(hkv, device=slots.device).view(1, hkv, 1)).flatten()
+    """``[..., n, Hkv, k]`` host slots -> ``[..., n x Hkv x k]`` int64 rows of a layer's ``[slots x Hkv, D]``
+    view (leading dimensions, e.g. layers, are kept)."""
+    hkv = slots.shape[-2]
+    return (slots * hkv + torch.arange(hkv, device=slots.device).view(hkv, 1)).flatten(-3)
 
 
 def ring_rows(rows: torch.Tensor, hkv: int, columns: int, c0: int, width: int) -> torch.Tensor:

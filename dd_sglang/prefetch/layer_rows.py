@@ -122,7 +122,6 @@ def fixed_rows(plan: StepPlan, hkv: int, slot_shape: torch.Size) -> tuple[torch.
     """Host-tier source rows of every layer's fixed sets, ``[layers, n_fixed x Hkv x k]`` int64, and
     their ring-slot rows ``[n_fixed x Hkv x k]`` (columns ``[n_res, n_res + k)`` of plan rows
     ``[0, n_fixed)``), in the order :func:`~dd_sglang.prefetch.gather.flat_rows` lists them."""
-    slots = plan.fixed_slots  # [L, n_fixed, Hkv, k]
-    src = (slots * hkv + torch.arange(hkv).view(1, 1, hkv, 1)).flatten(1)
+    src = flat_rows(plan.fixed_slots)  # [L, n_fixed, Hkv, k] -> [L, n_fixed x Hkv x k]
     dst = ring_rows(torch.arange(plan.n_fixed), hkv, slot_shape[2], plan.n_res, plan.k)
     return src, dst

@@ -53,7 +53,7 @@ import torch
 from dd_sglang.kernels import native as native_kernel
 from dd_sglang.kernels.sparse_decode import fold_gqa, unfold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
+from dd_sglang.prefetch.gather import RingGather, flat_rows
 from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
 from dd_sglang.prefetch.layer_rows import LayerRows, build_layer_rows, fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
@@ -212,9 +212,6 @@ class SparseStepRunner:
         self._slot: tuple | None = None  # the layer's ring slot and device-pool K/V, for attend()
         self._taken_for: StepPlan | None = None  # :meth:`_blocks_of`'s plan and its taken blocks
         self._taken: dict = {}
-        #: :meth:`_resident_rows`' last ``(plan, slot shape)`` and its rows.
-        self._res_for: tuple | None = None
-        self._res_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
         self.inputs = PlanInputs(
@@ -369,15 +366,8 @@ class SparseStepRunner:
             self.tally.phase("assemble", time.perf_counter() - t1)
             return q, keys, values  # q None: attend() runs the fused kernel over the slot
         n_res = plan.n_res
-        native = self.gather.native and slot_k.is_contiguous() and slot_v.is_contiguous()
-        if native and k_buf.dtype == keys.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
-            src, dst = self._resident_rows(plan, hkv, slot_k.shape)
-            d = k_buf.shape[2]
-            native_kernel.gather_rows(k_buf.view(-1, d), v_buf.view(-1, d), slot_k.view(-1, d), slot_v.view(-1, d),
-                                      src, dst)  # fmt: skip
-        else:
-            keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
-            values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
+        keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
+        values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
         if plan.spec_rows.numel():
             keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
             values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
@@ -438,16 +428,6 @@ class SparseStepRunner:
         out[plan.rows.to(out.device)] = o[:, 0]
         if plan.spec_rows.numel():
             out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
-
-    def _resident_rows(self, plan: StepPlan, hkv: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-        """Source rows (device pool ``[slots x Hkv, D]`` view) and ring rows of the resident columns
-        ``[0, n_res)`` of every plan row, built once per step (the same for every layer)."""
-        if self._res_for is None or self._res_for[0] is not plan or self._res_for[1] != shape:  # plan: identity
-            res = plan.res_slots.to(torch.int64).cpu()  # [R, n_res], the same slots for every KV head
-            src = flat_rows(res.unsqueeze(1).expand(-1, hkv, -1))  # (row, head, column) order
-            dst = ring_rows(torch.arange(res.shape[0]), hkv, shape[2], 0, res.shape[1])
-            self._res_for, self._res_rows = (plan, shape), (src, dst)
-        return self._res_rows
 
     @staticmethod
     def exact_contexts(plan: StepPlan, keys: torch.Tensor, values: torch.Tensor):
