@@ -282,3 +282,13 @@ def test_int8_index_update_in_chunks_equals_per_layer_quantisation(monkeypatch):
         assert torch.equal(idx.q8[layer, slots[10:250]], (keys / s.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8))
         assert torch.equal(idx.scale[layer, slots[10:250]], s)
     assert not idx.q8[:, slots[:10]].any() and not idx.q8[:, slots[250:]].any()
+
+
+def test_the_c_copies_are_never_chosen_for_a_cuda_ring():
+    """``prefetch.gather: cpu`` on a CUDA ring gathers on the host and copies to the device: the C row
+    copies write through host pointers, so they stay off (no GPU needed to build the gather)."""
+    from dd_sglang.prefetch.gather import RingGather
+
+    hk = torch.zeros(1, 4, 3, 64)
+    assert RingGather(hk, hk, "cpu", "cpu").native
+    assert not RingGather(hk, hk, torch.device("cuda"), "cpu").native

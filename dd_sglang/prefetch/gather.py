@@ -89,7 +89,9 @@ class RingGather:
         if mode == "kernel" and self._kernel() is None:
             raise ValueError("prefetch.gather kernel needs sgl_kernel (SGLang's CUDA kernels)")
         self.mode = mode
-        self.native = native and mode == "cpu" and native_kernel.available()
+        # The C copies write through host pointers: a CPU ring only (``cpu`` mode on a CUDA ring
+        # gathers on the host, then copies to the device).
+        self.native = native and mode == "cpu" and not cuda and native_kernel.available()
         self._dst_cache: dict[tuple, torch.Tensor] = {}
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
 

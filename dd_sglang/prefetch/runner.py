@@ -201,7 +201,7 @@ class SparseStepRunner:
         self.gather = RingGather(host.k, host.v, self.device, params.gather, self.native)
         #: CPU with the C kernel: each layer's moves are single indexed copies over the rows of
         #: :mod:`~dd_sglang.prefetch.layer_rows`, built once per step.
-        self.fast = self.gather.native and self.device.type == "cpu" and host.k.is_contiguous()
+        self.fast = self.gather.native and host.k.is_contiguous()  # gather.native: a CPU ring
         self._rows_for: tuple | None = None  # (plan, query heads, slot shape) of self._rows
         self._rows: LayerRows | None = None
         self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
