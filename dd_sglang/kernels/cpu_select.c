@@ -514,7 +514,9 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         return -1;
     }
     int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
+#ifdef HAVE_LOGITS16_VNNI
     uint8_t qu[MAXG][MAXD] __attribute__((aligned(64))); /* qi + 128, for logits16_vnni */
+#endif
     float qf[MAXG][MAXD] __attribute__((aligned(64)));
     const int simd = SIMD_D > 1 && D % SIMD_D == 0;
     float qsc[MAXG];
@@ -532,7 +534,9 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
             float qs = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
             for (int d = 0; d < D; d++) {
                 qi[j][d] = (int16_t)nearbyintf(qf[j][d] / qs);
+#ifdef HAVE_LOGITS16_VNNI
                 qu[j][d] = (uint8_t)(qi[j][d] + 128);
+#endif
             }
             qsc[j] = qs * scale;
         }
@@ -793,6 +797,21 @@ static inline void kv_row(const void *src, int bf16, int D, float *dst) {
     for (int d = 0; d < D; d++) dst[d] = act_load(src, bf16, d);
 }
 
+#if defined(__AVX512F__)
+/* tree16 on float lanes: lane i of the result is the sum of v[i]'s 16 lanes. */
+static inline __m512 tree16_ps(const __m512 *v) {
+    __m512 t[8], x[4];
+    for (int u = 0; u < 8; u++)
+        t[u] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * u], v[2 * u + 1]), _mm512_unpackhi_ps(v[2 * u], v[2 * u + 1]));
+    for (int u = 0; u < 4; u++)
+        x[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * u]), _mm512_castps_pd(t[2 * u + 1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * u]), _mm512_castps_pd(t[2 * u + 1]))));
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+#endif
+
 /* One (row r, KV head h) task: every query of the row's positions that have an output token
  * (Q = positions x G query vectors) scored against the union of their columns in one pass over
  * the K and V rows (a row's real and speculated queries read nearly the same columns), each
@@ -858,20 +877,7 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
                         a = _mm512_fmadd_ps(_mm512_load_ps(kb[u] + d), _mm512_load_ps(qf[j] + d), a);
                     acc[u] = a;
                 }
-                __m512i *ai = (__m512i *)acc; /* the transpose tree of tree16, on float lanes */
-                __m512 t[8], x[4];
-                for (int u = 0; u < 8; u++)
-                    t[u] = _mm512_add_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi32(ai[2 * u], ai[2 * u + 1])),
-                                         _mm512_castsi512_ps(_mm512_unpackhi_epi32(ai[2 * u], ai[2 * u + 1])));
-                for (int u = 0; u < 4; u++)
-                    x[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * u]),
-                                                                              _mm512_castps_pd(t[2 * u + 1]))),
-                                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * u]),
-                                                                              _mm512_castps_pd(t[2 * u + 1]))));
-                __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
-                __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
-                __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
-                _mm512_storeu_ps(s + (int64_t)j * n + i, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(s + (int64_t)j * n + i, _mm512_mul_ps(tree16_ps(acc), _mm512_set1_ps(scale)));
             }
         }
     }
