@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= port <= 65535:
         return _fail(f"--port must be an integer in 1..65535, got {raw_port!r}")
     if flag_value(full_argv, "--attention-backend") == "dualdecoder":
-        from dd_sglang.kvcache.host_pool import host_memory_available_bytes
+        from dd_sglang.kvcache.params import host_memory_available_bytes
         from dd_sglang.prefetch.index import quant_index_bytes_bound
 
         for flag in ("--enable-mixed-chunk", "--enable-hierarchical-cache"):
@@ -542,13 +542,24 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+#: Seconds the rest of SGLang's process group gets once its main process has exited. A main
+#: process that stopped normally has stopped its children already; one killed before its
+#: signal handlers were installed (a stop during start-up) leaves them running.
+ORPHAN_GRACE_S = 1.0
+
+
 def _wait_group(proc: subprocess.Popen, seconds: float) -> bool:
-    """Wait up to ``seconds`` for SGLang's whole process group to exit; True if it did."""
+    """Wait up to ``seconds`` for SGLang's whole process group to exit; True if it did. Gives up
+    early, :data:`ORPHAN_GRACE_S` after SGLang's main process exited with the group still alive."""
     deadline = time.monotonic() + seconds
+    exited = None
     while time.monotonic() < deadline:
-        proc.poll()
         if not _group_alive(proc.pid):
             return True
+        if proc.poll() is not None:
+            exited = exited or time.monotonic()
+            if time.monotonic() - exited > ORPHAN_GRACE_S:
+                return False
         time.sleep(0.2)
     return False
 

@@ -22,20 +22,10 @@ included); ``used_bytes = allocated_slots x bytes_per_token`` with
 
 from __future__ import annotations
 
-import psutil
 import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
-#: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
-#: 10 GiB free (``pool_host/base.py``: ``HICACHE_HOST_MEMORY_RESERVE_BYTES``), a margin
-#: sized for GPU hosts; the host tier's size is given explicitly (``host_tier_bytes``),
-#: so a smaller margin applies.
-HOST_MEMORY_MARGIN_BYTES = 512 * 1024**2
-
-
-def host_memory_available_bytes() -> int:
-    """Bytes the host tier may take now: the machine's available memory less the margin."""
-    return int(psutil.virtual_memory().available) - HOST_MEMORY_MARGIN_BYTES
+from dd_sglang.kvcache.params import HOST_MEMORY_MARGIN_BYTES, host_memory_available_bytes
 
 
 class HostSparseKVPool(HostKVCache):

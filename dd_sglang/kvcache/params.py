@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
+
+#: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
+#: 10 GiB free (``pool_host/base.py``: ``HICACHE_HOST_MEMORY_RESERVE_BYTES``), a margin
+#: sized for GPU hosts; the host tier's size is given explicitly (``host_tier_bytes``),
+#: so a smaller margin applies.
+HOST_MEMORY_MARGIN_BYTES = 512 * 1024**2
+
+
+def host_memory_available_bytes() -> int:
+    """Bytes the host tier may take now: the machine's available memory (``psutil``'s
+    ``available``) less :data:`HOST_MEMORY_MARGIN_BYTES`. Lives here, not in
+    :mod:`dd_sglang.kvcache.host_pool`, so the launcher checks a preset without importing SGLang."""
+    return int(psutil.virtual_memory().available) - HOST_MEMORY_MARGIN_BYTES
+
 
 @dataclass(frozen=True)
 class SparseParams:
