@@ -77,6 +77,37 @@ class ServerProcess:
     dtype: str = "bfloat16"
     peak_rss_bytes: int = 0
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
+    _launched: float = 0.0
+
+    def wait_ready(self, timeout: float = 600.0) -> ServerProcess:
+        """Wait until the sidecar's ``/healthz`` is 200 (counted from the launch), then read the
+        dtype SGLang resolved; returns ``self``.
+
+        Raises:
+            RuntimeError: the launcher exited, or was not healthy ``timeout`` s after its launch
+                (it is then stopped; the message carries the log tail).
+        """
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.metrics_url}/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - self._launched > timeout:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        if not self.start_seconds:
+            self.start_seconds = time.monotonic() - self._launched
+            info = httpx.get(f"{self.url}/server_info", headers=self.headers, timeout=30).json()
+            dtype = info.get("dtype", "auto")
+            if dtype == "auto":  # the checkpoint's dtype
+                cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())
+                dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+            self.dtype = str(dtype).replace("torch.", "")
+        return self
 
     @property
     def headers(self) -> dict[str, str]:
@@ -198,20 +229,19 @@ def wait_idle(srv: ServerProcess, timeout: float = 120.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def start_server(
+def launch_server(
     log_path: Path,
     max_total_tokens: int,
     extra_args: list[str] | None = None,
-    timeout: float = 600.0,
     api_key: str | None = None,
 ) -> ServerProcess:
-    """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200.
+    """Spawn dd_sglang on free loopback ports and return at once, not waiting for it to be ready.
 
-    ``api_key`` adds SGLang's ``--api-key``; :attr:`ServerProcess.headers` then carries it.
-
-    Raises:
-        RuntimeError: the launcher exited, or was not healthy within ``timeout`` s
-            (the message carries the log tail).
+    Call :meth:`ServerProcess.wait_ready` before using it (:func:`start_server` does both).
+    Several servers launched before any is waited on start up side by side: SGLang's start-up
+    (25-55 s here) is mostly single-threaded imports, so on 2 cores two of them take little
+    longer than one. ``api_key`` adds SGLang's ``--api-key``; :attr:`ServerProcess.headers` then
+    carries it.
     """
     port, mport = free_port(), free_port()
     cmd = [
@@ -221,30 +251,28 @@ def start_server(
         *(["--api-key", api_key] if api_key else []),
     ]  # fmt: skip
     log = open(log_path, "w")
-    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     srv = ServerProcess(
         f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", proc, log_path, max_total_tokens, api_key
     )
+    srv._launched = time.monotonic()
     threading.Thread(target=srv._sample, daemon=True).start()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{srv.log_tail()}")
-        try:
-            if httpx.get(f"{srv.metrics_url}/healthz", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > timeout:
-            srv.stop()
-            raise RuntimeError(f"server not healthy after {timeout} s:\n{srv.log_tail()}")
-        time.sleep(0.5)
-    srv.start_seconds = time.monotonic() - t0
-    info = httpx.get(f"{srv.url}/server_info", headers=srv.headers, timeout=30).json()
-    dtype = info.get("dtype", "auto")
-    if dtype == "auto":  # the checkpoint's dtype
-        cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    srv.dtype = str(dtype).replace("torch.", "")
     return srv
+
+
+def start_server(
+    log_path: Path,
+    max_total_tokens: int,
+    extra_args: list[str] | None = None,
+    timeout: float = 600.0,
+    api_key: str | None = None,
+) -> ServerProcess:
+    """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200
+    (:func:`launch_server`, then :meth:`ServerProcess.wait_ready`).
+
+    Raises:
+        RuntimeError: the launcher exited, or was not healthy within ``timeout`` s
+            (the message carries the log tail).
+    """
+    return launch_server(log_path, max_total_tokens, extra_args, api_key).wait_ready(timeout)

@@ -1,15 +1,122 @@
-"""Shared fixtures. One real server (``python -m dd_sglang.launch_server``) per test session."""
+"""Shared fixtures: the session's real servers (``python -m dd_sglang.launch_server``).
+
+A server start-up takes 25-55 s on 2 cores, mostly single-threaded imports, and a graceful
+stop ~8 s, mostly SGLang's 5 s shutdown poll (``tokenizer_manager.py: sigterm_watchdog``).
+The suite hides both:
+
+* **Booted ahead.** Fixtures that own a server register how to launch it
+  (:func:`boots`). Before the first test, every registered server that a selected test uses
+  is launched at once (:func:`_boot`) and starts up side by side with the others and with the
+  server-free tests, which run first (:func:`pytest_collection_modifyitems`). Its fixture then
+  only waits for it to be healthy (:func:`serve`).
+* **Stopped behind.** At its fixture's teardown a server gets SIGTERM and is waited for in a
+  background thread; its checks (exit 0, no process left, no crash or ``Traceback`` logged)
+  are asserted at the end of the session, naming the server.
+
+``pytest tests/test_config.py`` starts no server: only the fixtures of selected tests boot.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from bench.server import ServerProcess, start_server
+from bench.server import ServerProcess, launch_server
 
 #: KV pool cap of the test server, in tokens (small: the suite runs on 2 cores / 24 GB).
 TEST_MAX_TOTAL_TOKENS = 12288
+#: Seconds a server may take from its launch to healthy (a loaded 2-core machine: > 300 s).
+START_TIMEOUT_S = 900
+
+#: fixture name -> function(tmp_path_factory, tokenizer) that launches its server (not waiting).
+_LAUNCHERS: dict[str, Callable[[pytest.TempPathFactory, object], ServerProcess]] = {}
+_booted: dict[str, ServerProcess] = {}
+_stopping: list[tuple[str, Future]] = []
+_reaper = ThreadPoolExecutor(max_workers=4, thread_name_prefix="server-stop")
+
+
+def boots(fixture_name: str):
+    """Register ``fn(tmp_path_factory, tokenizer) -> ServerProcess`` (from
+    :func:`bench.server.launch_server`) as the launch of the server that fixture
+    ``fixture_name`` serves with :func:`serve`."""
+
+    def register(fn):
+        _LAUNCHERS[fixture_name] = fn
+        return fn
+
+    return register
+
+
+def _uses_booted(item: pytest.Item) -> bool:
+    return any(name in _LAUNCHERS for name in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run modules in three groups, each in collection order: server-free modules (while the
+    booted servers start up), then modules using a booted server, then modules marked ``server``
+    that start servers of their own (the router's workers, the launcher watchdog), so those
+    never start up beside the booted ones."""
+    group: dict[Path, int] = {}
+    for it in items:
+        g = 1 if _uses_booted(it) else 2 if it.get_closest_marker("server") else 0
+        group[it.path] = max(group.get(it.path, 0), g)
+    items.sort(key=lambda it: group[it.path])  # stable: collection order within a group
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _boot(request, tmp_path_factory):
+    """Launch every registered server a selected test uses (module docstring); at the end of the
+    session, wait for every stop and assert its checks."""
+    needed = {n for it in request.session.items for n in getattr(it, "fixturenames", ()) if n in _LAUNCHERS}
+    if needed:
+        tok = request.getfixturevalue("tokenizer")
+        for name in sorted(needed):
+            _booted[name] = _LAUNCHERS[name](tmp_path_factory, tok)
+    yield
+    for name, srv in _booted.items():  # launched for a test that was then deselected or skipped
+        stop_behind(name, lambda srv=srv: _stop_and_check(srv, False))
+    failures = [f"{name}: {err}" for name, fut in _stopping if (err := fut.result())]
+    _booted.clear()
+    _stopping.clear()
+    assert not failures, "\n\n".join(failures)
+
+
+def _stop_and_check(srv: ServerProcess, no_traceback: bool) -> str | None:
+    """Stop ``srv``; None, or what went wrong with its log tail."""
+    rc, alive = srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    if rc != 0 or alive:
+        return f"launcher exit code {rc}, processes left {alive} after SIGTERM:\n{srv.log_tail()}"
+    if "crashed with exit code" in log:
+        return f"SGLang saw a crash during a normal stop:\n{srv.log_tail()}"
+    if no_traceback and "Traceback" in log:
+        return f"a Traceback in the server log ({srv.log_path}):\n{srv.log_tail()}"
+    return None
+
+
+def stop_behind(name: str, stop: Callable[[], str | None]) -> None:
+    """Run ``stop`` (a server's stop and checks: None, or what went wrong) in the background;
+    its result is asserted at the end of the session, under ``name``."""
+    _stopping.append((name, _reaper.submit(stop)))
+
+
+def serve(name: str, tmp_path_factory, tokenizer, no_traceback: bool = True):
+    """A fixture body for a booted server (:func:`boots`): wait until it is healthy (a failed
+    start fails the test), yield it, then stop it in the background (module docstring). A
+    server not booted ahead (its fixture was reached another way) is launched here.
+
+    ``no_traceback``: also require that its log holds no ``Traceback`` at the stop.
+    """
+    srv = _booted.pop(name, None) or _LAUNCHERS[name](tmp_path_factory, tokenizer)
+    try:
+        srv.wait_ready(START_TIMEOUT_S)
+    except RuntimeError as err:
+        pytest.fail(f"{name}: {err}")
+    yield srv
+    stop_behind(name, lambda: _stop_and_check(srv, no_traceback))
 
 
 @pytest.fixture(scope="session")
@@ -27,34 +134,17 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+@boots("server")
+def _launch_dense(tmp_path_factory, tokenizer) -> ServerProcess:
+    return launch_server(tmp_path_factory.mktemp("server") / "server.log", TEST_MAX_TOTAL_TOKENS)
+
+
 @pytest.fixture(scope="session")
-def server(model_path, tmp_path_factory) -> ServerProcess:
-    """A real dd_sglang server on free loopback ports, started once for the session.
+def server(tmp_path_factory, tokenizer) -> ServerProcess:
+    """A real dd_sglang server (SGLang's dense decode) on free loopback ports, for the session.
 
-    Teardown sends SIGTERM to the launcher and asserts that it exits 0 and that
-    every process it started (SGLang's HTTP server, scheduler, detokenizer) is gone.
+    Its stop (SIGTERM to the launcher) must exit 0 and leave no process it started (SGLang's
+    HTTP server, scheduler, detokenizer); SGLang's own error traces are allowed in its log
+    (some tests send it hostile requests).
     """
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    try:
-        srv = start_server(log_path, TEST_MAX_TOTAL_TOKENS, timeout=900)  # a loaded 2-core machine: > 300 s
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    yield srv
-    rc, alive = srv.stop()
-    assert rc == 0, f"launcher exit code {rc} after SIGTERM:\n{srv.log_tail()}"
-    assert not alive, f"processes left after SIGTERM: {alive}"
-    assert "crashed with exit code" not in srv.log_path.read_text(), "SGLang saw a crash during a normal stop"
-
-
-def serve(log_path: Path, max_total_tokens: int, args: list[str], **kwargs):
-    """A fixture body for a test-owned server: start it (``bench.server.start_server``; a failed
-    start fails the test), yield it, then stop it and assert it exited 0, left no process
-    behind and logged no ``Traceback``."""
-    try:
-        srv = start_server(log_path, max_total_tokens, args, timeout=900, **kwargs)  # a loaded 2-core machine: > 300 s
-    except RuntimeError as err:
-        pytest.fail(str(err))
-    yield srv
-    rc, alive = srv.stop()
-    assert rc == 0 and not alive, f"rc={rc} alive={alive}\n{srv.log_tail()}"
-    assert "Traceback" not in srv.log_path.read_text(), srv.log_tail()
+    yield from serve("server", tmp_path_factory, tokenizer, no_traceback=False)

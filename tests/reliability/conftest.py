@@ -26,18 +26,26 @@ import pytest
 import yaml
 
 from bench.prompts import passkey_prompt
-from bench.server import ROOT, ServerProcess
-from tests.conftest import serve
+from bench.server import ROOT, ServerProcess, launch_server
+from tests.conftest import boots, serve
 
 from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token
+
+
+def _growth_prompt(tokenizer) -> tuple[str, list[int]]:
+    prompt, n = passkey_prompt(tokenizer, *GROWTH_PROMPT)
+    assert 1024 <= n <= 1400
+    return prompt, tokenizer.encode(prompt)
+
+
+def _usable_bytes(n_tokens: int, bytes_per_token: int) -> int:
+    return (host_pages(n_tokens) + 2) * PAGE * bytes_per_token
 
 
 @pytest.fixture(scope="package")
 def growth_prompt(tokenizer) -> tuple[str, list[int]]:
     """The host-tier-sizing prompt: ``(text, token ids)``, 1,024+ tokens (goes sparse)."""
-    prompt, n = passkey_prompt(tokenizer, *GROWTH_PROMPT)
-    assert 1024 <= n <= 1400
-    return prompt, tokenizer.encode(prompt)
+    return _growth_prompt(tokenizer)
 
 
 @pytest.fixture(scope="package")
@@ -49,11 +57,19 @@ def bytes_per_token(server) -> int:
 @pytest.fixture(scope="package")
 def host_usable_bytes(growth_prompt, bytes_per_token) -> int:
     """Usable host-tier bytes: the growth prompt's pages plus two (the padding page excluded)."""
-    return (host_pages(len(growth_prompt[1])) + 2) * PAGE * bytes_per_token
+    return _usable_bytes(len(growth_prompt[1]), bytes_per_token)
 
 
-@pytest.fixture(scope="package")
-def rel_server(model_path, server, host_usable_bytes, bytes_per_token, tmp_path_factory) -> ServerProcess:
+@boots("rel_server")
+def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
+    """Launched beside the session's dense server, before either is up: it takes the dtype the
+    launcher gives the dense one (:func:`dd_sglang.platform.dtype.default_dtype`), which
+    :func:`rel_server` then checks against the dense server's."""
+    from dd_sglang.platform.dtype import default_dtype
+
+    dtype = default_dtype()
+    per_token = kv_bytes_per_token({"float32": 4, "bfloat16": 2, "float16": 2}[dtype])
+    usable = _usable_bytes(len(_growth_prompt(tokenizer)[1]), per_token)
     tmp = tmp_path_factory.mktemp("rel_server")
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["name"] = "reliability"
@@ -61,10 +77,21 @@ def rel_server(model_path, server, host_usable_bytes, bytes_per_token, tmp_path_
         n_sink=N_SINK,
         n_recent=N_RECENT,
         page_size=PAGE,
-        host_tier_bytes=host_usable_bytes + PAGE * bytes_per_token,  # + SGLang's padding page
+        host_tier_bytes=usable + PAGE * per_token,  # + SGLang's padding page
     )
     preset["prefetch"]["hit_rate_sample"] = 1.0
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
-            "--dtype", server.dtype, "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
-    yield from serve(tmp / "server.log", CAP, args, api_key=API_KEY)
+            "--dtype", dtype, "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
+    return launch_server(tmp / "server.log", CAP, args, api_key=API_KEY)
+
+
+@pytest.fixture(scope="package")
+def rel_server(server, tmp_path_factory, tokenizer) -> ServerProcess:
+    body = serve("rel_server", tmp_path_factory, tokenizer)
+    srv = next(body)
+    try:
+        assert srv.dtype == server.dtype, f"reliability server in {srv.dtype}, dense server in {server.dtype}"
+        yield srv
+    finally:
+        next(body, None)  # its stop
