@@ -560,8 +560,14 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
                     rws[i] = q8l + s * H * D;
                     for (int h = 0; h < H; h++) ksb[h][i] = ksl[s * H + h];
                 }
-                if (c + 32 <= n)
-                    for (int i = 16; i < 32; i += 2) __builtin_prefetch(q8l + srow[cpos[c + i]] * H * D);
+                /* every line (H D bytes a key: 3 lines for SmolLM2) of the keys two blocks ahead, so
+                 * the loads above do not wait on memory: with every other key's first line alone,
+                 * they were the kernel's main stall (perf annotate) */
+                if (c + 48 <= n)
+                    for (int i = 32; i < 48; i++) {
+                        const int8_t *nx = q8l + srow[cpos[c + i]] * H * D;
+                        for (int b = 0; b < H * D; b += 64) __builtin_prefetch(nx + b);
+                    }
 #ifdef HAVE_LOGITS16_VNNI
                 if (D % 64 == 0)
                     logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, D, (const uint8_t(*)[MAXD])qu, qsc, a, n,
