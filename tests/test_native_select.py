@@ -108,6 +108,45 @@ def test_native_selection_splits_over_threads_like_one_call(march):
         assert torch.equal(pos[layer], p1) and torch.equal(slots[layer], s1)
 
 
+def test_selection_writes_into_given_tensors_and_refuses_bad_ones():
+    """``out``: both selectors write the sets into the given tensors (the next step's sets, in
+    place), equal to a call without; a wrong shape, dtype or layout is refused."""
+    from dd_sglang.kernels import native
+
+    host_k, idx, rows, q = _case([1300, 1700], 64, torch.bfloat16, seed=5, layers=4)
+    for sel in (make_selector("spec_host", 2.0, native=True), make_selector("spec_host", 2.0)):
+        want = sel.select_layers(q, rows, host_k, 64, 0.125, idx, slice(0, 4))
+        buf = torch.full((2, 4, 2, 3, 64), -1, dtype=torch.int64)
+        got = sel.select_layers(q, rows, host_k, 64, 0.125, idx, slice(0, 4), out=(buf[0], buf[1]))
+        assert got[0].data_ptr() == buf[0].data_ptr() and got[1].data_ptr() == buf[1].data_ptr()
+        assert torch.equal(buf[0], want[0]) and torch.equal(buf[1], want[1])
+    slots, ok = rows.tokens
+    args = (q.float(), slots, ok, idx.q8[0:4], idx.scale[0:4], host_k, 64, 128, 0.125)
+    good = torch.empty(4, 2, 3, 64, dtype=torch.int64)
+    for bad in (torch.empty(4, 2, 3, 63, dtype=torch.int64), torch.empty(4, 2, 3, 64, dtype=torch.int32),
+                torch.empty(4, 2, 3, 128, dtype=torch.int64)[..., ::2]):  # fmt: skip
+        with pytest.raises(ValueError, match="out must be contiguous int64"):
+            native.spec_host_select(*args, out=(good, bad))
+
+
+def test_next_sets_are_written_in_place_only_for_every_row_in_order():
+    """``NextSets.direct``: views of the buffer for every row in order at full width (marked
+    filled), None for a subset, another order or a narrower selection."""
+    from dd_sglang.prefetch.plan import NextSets
+
+    nxt = NextSets(("a", "b", "c"), k=8, layers=4)
+    assert nxt.direct(1, 3, torch.tensor([0, 2]), 8, 3) is None
+    assert nxt.direct(1, 3, torch.tensor([1, 0, 2]), 8, 3) is None
+    assert nxt.direct(1, 3, torch.arange(3), 6, 3) is None
+    assert not nxt.filled
+    pos, slots = nxt.direct(1, 3, torch.arange(3), 8, 3)
+    assert pos.shape == slots.shape == (2, 3, 3, 8) and pos.is_contiguous()
+    pos.fill_(7)
+    assert nxt.filled == {1, 2} and (nxt.pos[1:3] == 7).all() and (nxt.pos[0] == 0).all()
+    with pytest.raises(ValueError, match="outside"):
+        nxt.direct(3, 5, torch.arange(3), 8, 3)
+
+
 def test_rerank_covering_every_candidate_uses_the_exact_path():
     """With ``rerank x k`` at least the candidates the native selector defers to exact scoring,
     as the PyTorch one does."""

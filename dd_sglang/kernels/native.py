@@ -175,6 +175,7 @@ def spec_host_select(
     k: int,
     m: int,
     scale: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``spec_host``'s selection of ``L`` layers (module docstring; arithmetic in ``cpu_select.c``).
 
@@ -186,9 +187,11 @@ def spec_host_select(
         keys: the ``L`` layers' host keys ``[L, S, Hkv, D]``, bfloat16 or float32.
         k: set size per KV head; ``m``: candidates re-ranked exactly (``k <= m``).
         scale: softmax scale.
+        out: where to write ``(positions, slots)`` (contiguous ``[L, rows, Hkv, k]`` int64, e.g. views
+            of the next step's sets), instead of new tensors.
 
     Returns:
-        ``(positions, slots)``, each ``[L, rows, Hkv, k]`` int64, best first.
+        ``(positions, slots)``, each ``[L, rows, Hkv, k]`` int64, best first (``out`` when given).
 
     Raises:
         NativeUnavailable: the kernel is not loaded (:func:`load` returned None).
@@ -214,8 +217,15 @@ def spec_host_select(
     q = q.to(torch.float32).contiguous()
     slots = slots.to(torch.int64).contiguous()
     ok = ok.to(torch.uint8).contiguous()
-    pos_out = torch.empty(n_layers, rows, hkv, k, dtype=torch.int64)
-    slot_out = torch.empty_like(pos_out)
+    if out is None:
+        pos_out = torch.empty(n_layers, rows, hkv, k, dtype=torch.int64)
+        slot_out = torch.empty_like(pos_out)
+    else:
+        pos_out, slot_out = out
+        for t in out:
+            if t.dtype != torch.int64 or tuple(t.shape) != (n_layers, rows, hkv, k) or not t.is_contiguous():
+                raise ValueError(f"out must be contiguous int64 {(n_layers, rows, hkv, k)}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")  # fmt: skip
     s = keys.shape[1]
     tasks = n_layers * rows
     args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),

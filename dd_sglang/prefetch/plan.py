@@ -98,16 +98,38 @@ class NextSets:
             ValueError: the layers fall outside ``[0, layers)``.
         """
         l1 = l0 + pos.shape[0]
-        if l0 < 0 or l1 > self.layers:
-            raise ValueError(f"layers [{l0}, {l1}) outside [0, {self.layers})")
-        if self.pos is None:
-            shape = (self.layers, len(self.rids), pos.shape[2], self.k)
-            self.pos = torch.zeros(shape, dtype=torch.int64)
-            self.slots = torch.zeros(shape, dtype=torch.int64)
+        self._check(l0, l1)
+        self._alloc(pos.shape[2])
         w = pos.shape[3]
         self.pos[l0:l1, dest, :, :w] = pos
         self.slots[l0:l1, dest, :, :w] = slots
         self.filled.update(range(l0, l1))
+
+    def direct(self, l0: int, l1: int, dest: torch.Tensor, w: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views ``pos[l0:l1]`` / ``slots[l0:l1]`` (contiguous ``[l1 - l0, len(rids), hkv, k]``) for a
+        selection of every row in order at the full width (``dest`` is ``0..len(rids)-1``, ``w == k``)
+        to write straight into, counted as filled; None otherwise (then :meth:`put_layers`).
+
+        Raises:
+            ValueError: the layers fall outside ``[0, layers)``.
+        """
+        self._check(l0, l1)
+        n = len(self.rids)
+        if w != self.k or dest.numel() != n or not torch.equal(dest, torch.arange(n)):
+            return None
+        self._alloc(hkv)
+        self.filled.update(range(l0, l1))
+        return self.pos[l0:l1], self.slots[l0:l1]
+
+    def _check(self, l0: int, l1: int) -> None:
+        if l0 < 0 or l1 > self.layers:
+            raise ValueError(f"layers [{l0}, {l1}) outside [0, {self.layers})")
+
+    def _alloc(self, hkv: int) -> None:
+        if self.pos is None:
+            shape = (self.layers, len(self.rids), hkv, self.k)
+            self.pos = torch.zeros(shape, dtype=torch.int64)
+            self.slots = torch.zeros(shape, dtype=torch.int64)
 
 
 class PredictionStore:

@@ -571,8 +571,12 @@ class SparseStepRunner:
         t0 = time.perf_counter()
         l1 = l0 + q.shape[0]
         index = self._index_of(g.selector)
-        pos, slots = g.selector.select_layers(q, g.blocks, self.host.k[l0:l1], g.k, scale, index, slice(l0, l1))
-        self.store.next_sets.put_layers(l0, g.dest, pos, slots)
+        nxt = self.store.next_sets
+        out = nxt.direct(l0, l1, g.dest, g.k, self.host.k.shape[2])  # written in place when it can be
+        pos, slots = g.selector.select_layers(q, g.blocks, self.host.k[l0:l1], g.k, scale, index, slice(l0, l1),
+                                              out=out)  # fmt: skip
+        if out is None:
+            nxt.put_layers(l0, g.dest, pos, slots)
         self.tally.phase("select_ahead", time.perf_counter() - t0)
 
     def _measure(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> None:

@@ -141,9 +141,12 @@ class Selector:
     def select_layers(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
         index: KeyBlockIndex | QuantKeyIndex | None, layers: slice,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The ``k`` best candidates per layer, row and KV head: ``(positions, slots)``, each
         ``[L, rows, num_kv_heads, k]`` int64, best first (arguments as :meth:`score_layers`).
+
+        ``out``: two ``[L, rows, num_kv_heads, k]`` int64 tensors to write them into (returned).
 
         Raises:
             ValueError: ``k < 1``, or the selector needs an index and got none.
@@ -154,7 +157,11 @@ class Selector:
             raise ValueError(f"selector {self.name} needs an index ({self.index_location})")
         pos, slots, score = self.score_layers(q, rows, host_k, k, scale, index, layers)
         top = score.topk(k, dim=-1).indices
-        return pos.gather(-1, top), slots.gather(-1, top)
+        if out is None:
+            return pos.gather(-1, top), slots.gather(-1, top)
+        torch.gather(pos, -1, top, out=out[0])
+        torch.gather(slots, -1, top, out=out[1])
+        return out
 
     def select(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
@@ -236,15 +243,15 @@ class SpecHostSelector(Selector):
     def _m(self, k: int) -> int:
         return int(-(-self.rerank * k // 1))
 
-    def select_layers(self, q, rows, host_k, k, scale, index, layers):
+    def select_layers(self, q, rows, host_k, k, scale, index, layers, out=None):
         if (not self.native or index is None or self._m(k) >= rows.tokens[0].shape[-1]
                 or q.shape[2] > native_kernel.MAX_QUERIES or q.shape[3] > native_kernel.MAX_HEAD_DIM):
-            return super().select_layers(q, rows, host_k, k, scale, index, layers)
+            return super().select_layers(q, rows, host_k, k, scale, index, layers, out)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         slots, ok = rows.tokens
         return native_kernel.spec_host_select(q.float(), slots, ok, index.q8[layers], index.scale[layers],
-                                              host_k, k, self._m(k), scale)  # fmt: skip
+                                              host_k, k, self._m(k), scale, out)  # fmt: skip
 
     def score_layers(self, q, rows, host_k, k, scale, index, layers):
         slots, ok = rows.tokens
