@@ -1,6 +1,6 @@
 """Malformed and hostile requests: each is a 4xx whose message names the problem, holds no KV, and
-the server keeps serving (``/health`` after every case: a crashed scheduler takes SGLang's whole
-process tree down, a stalled HTTP server does not answer; a real completion after them all).
+the server keeps serving (one greedy token after every case: a crashed scheduler takes SGLang's whole
+process tree down, a stalled HTTP server does not answer; a completion and ``/health`` after them all).
 
 Cases already covered in tests/test_server_e2e.py (body not JSON, negative ``max_tokens``, a
 completion prompt over the context) and tests/dualdecoder/test_dualdecoder_e2e.py (six bad ``custom_params``
@@ -136,7 +136,12 @@ def kv_baseline(rel_server) -> float:
 
 
 def assert_still_serving(srv) -> None:
-    assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+    """One greedy token through ``/generate``: what SGLang's ``/health`` does too, without its 1 s
+    poll (``http_server.py: health_generate`` sleeps a second before it looks, ~70 s over this
+    module); ``/health`` itself is checked once, after every case."""
+    r = srv.post(G, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["output_ids"]) == 1
 
 
 def assert_still_completing(srv) -> None:
@@ -163,6 +168,7 @@ def test_refused_requests_hold_no_kv(rel_server, kv_baseline):
     """After every hostile request above the server still completes, and no device KV is held by a
     request (only the prefix cache)."""
     assert_still_completing(rel_server)
+    assert httpx.get(f"{rel_server.url}/health", timeout=30).status_code == 200
     m = scrape(rel_server.metrics_url)
     assert m["dd_device_kv_used_bytes"] - m["dd_device_kv_evictable_bytes"] == kv_baseline == 0
 
