@@ -323,6 +323,40 @@ def test_int8_index_update_in_chunks_equals_per_layer_quantisation(monkeypatch):
     assert not idx.q8[:, slots[:10]].any() and not idx.q8[:, slots[250:]].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_index_update_writes_the_pytorch_bytes(dtype, march):
+    """``QuantKeyIndex(native=True).update`` (``dd_quantize_keys``, one pass) writes the same int8
+    keys and scales as the PyTorch path, byte for byte, at the given slots only: keys of every
+    magnitude, rows of zeros (the 1e-12 floor), values landing on .5 steps (round half to even)."""
+    g = torch.Generator().manual_seed(6)
+    host_k = (torch.randn(4, 500, 3, 64, generator=g) * torch.logspace(-3, 3, 500)[None, :, None, None]).to(dtype)
+    host_k[:, 7] = 0
+    host_k[1, 9, 0, :] = torch.tensor([127.0, 63.5, -0.5, 1.5] * 16, dtype=dtype)  # absmax 127: k / s = k
+    slots = torch.randperm(500, generator=g)
+    want, got = QuantKeyIndex(host_k), QuantKeyIndex(host_k, native=True)
+    assert got.native and not want.native
+    for a, b in ((0, 3), (3, 480)):
+        want.update(slots, a, b)
+        got.update(slots, a, b)
+    assert torch.equal(got.q8, want.q8) and torch.equal(got.scale, want.scale)
+    assert not got.q8[:, slots[480:]].any()
+    assert got.q8[1, 9, 0, :4].tolist() == [127, 64, 0, 2]
+
+
+def test_native_index_update_refusals():
+    """Wrong dtypes, shapes or layouts are refused before the kernel runs; a non-contiguous host tier
+    falls back to the PyTorch path."""
+    k = torch.zeros(2, 8, 3, 64, dtype=torch.bfloat16)
+    q8, sc = torch.zeros(2, 8, 3, 64, dtype=torch.int8), torch.zeros(2, 8, 3)
+    slots = torch.arange(4)
+    for bad, match in (((k.half(), slots, q8, sc), "keys must be"), ((k, slots, q8.float(), sc), "q8 must be"),
+                       ((k, slots, q8, sc[..., :2]), "scale must be"),
+                       ((k.transpose(1, 2).contiguous().transpose(1, 2), slots, q8, sc), "keys must be a contiguous")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            native.quantize_keys(*bad)
+    assert not QuantKeyIndex(k.transpose(0, 1).contiguous().transpose(0, 1), native=True).native
+
+
 def test_the_c_copies_are_never_chosen_for_a_cuda_ring():
     """``prefetch.gather: cpu`` on a CUDA ring gathers on the host and copies to the device: the C row
     copies write through host pointers, so they stay off (no GPU needed to build the gather)."""

@@ -636,6 +636,70 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
     return rc ? -1 : 0;
 }
 
+/* The int8 key index of n host slots (QuantKeyIndex.update): for every layer l < L, slot
+ * slots[i] and KV head h, scale = max(max_d |k|, 1e-12) / 127 and q8 = round(k / scale) to nearest
+ * even, clamped to [-127, 127]: PyTorch's float32 arithmetic step for step (true division,
+ * nearbyintf), so both give the same bytes. One pass over the keys (PyTorch's version made ~10
+ * passes over a float32 copy: ~0.1 s for a 4k prompt's 30 layers, in the first sparse step).
+ *
+ * keys  [L, S, H, D] bfloat16 (key_bf16 = 1) or float32 (layer stride S H D)
+ * q8    [L, S, H, D] int8, scale [L, S, H] float32 (written at the given slots)
+ * Split over `threads` OpenMP threads by layer. Returns 0, or -1 for D > MAXD. */
+int dd_quantize_keys(int L, int64_t S, int H, int D, const void *keys, int key_bf16, const int64_t *slots, int64_t n,
+                     int8_t *q8, float *scale, int threads) {
+    if (L < 1 || D < 1 || D > MAXD) return -1;
+    if (threads < 1) threads = 1;
+    if (threads > L) threads = L;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int l = 0; l < L; l++) {
+        float row[MAXD] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < n; i++) {
+            for (int h = 0; h < H; h++) {
+                const int64_t at = ((int64_t)l * S + slots[i]) * H + h;
+#if defined(__AVX512F__)
+                if (key_bf16 && D % 16 == 0) { /* the same arithmetic, 16 lanes at a time */
+                    const uint16_t *kr = (const uint16_t *)keys + at * D;
+                    __m512 vm = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16) {
+                        __m512 x = _mm512_castsi512_ps(
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(kr + d))), 16));
+                        _mm512_store_ps(row + d, x);
+                        vm = _mm512_max_ps(vm, _mm512_abs_ps(x));
+                    }
+                    const float mx = _mm512_reduce_max_ps(vm);
+                    const float s = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
+                    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+                    for (int d = 0; d < D; d += 16) {
+                        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_load_ps(row + d), vs),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+                        _mm_storeu_si128((__m128i *)(q8 + at * D + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+                    }
+                    scale[at] = s;
+                    continue;
+                }
+#endif
+                float mx = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    float x = key_bf16 ? bf16_to_f32(((const uint16_t *)keys)[at * D + d]) : ((const float *)keys)[at * D + d];
+                    row[d] = x;
+                    x = fabsf(x);
+                    mx = x > mx ? x : mx;
+                }
+                const float s = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
+                int8_t *out = q8 + at * D;
+                for (int d = 0; d < D; d++) {
+                    float r = nearbyintf(row[d] / s);
+                    r = r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r);
+                    out[d] = (int8_t)r;
+                }
+                scale[at] = s;
+            }
+        }
+    }
+    return 0;
+}
+
 /* Row gather for the CPU ring: for i in [0, m), copy row src_rows[i] of src_k / src_v (rows of
  * `row_bytes`) to row dst_rows[i] of dst_k / dst_v, over `threads` OpenMP threads. One pass, no
  * temporary (PyTorch's index_select then a strided assignment copies every row twice). */

@@ -139,6 +139,8 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
         lib.dd_spec_host_select.argtypes = [*head, i, i]
         lib.dd_spec_host_select_par.argtypes = [*head, i]
         lib.dd_spec_host_select.restype = lib.dd_spec_host_select_par.restype = ctypes.c_int
+        lib.dd_quantize_keys.argtypes = [i, i64, i, i, p, i, p, i64, p, p, i]
+        lib.dd_quantize_keys.restype = ctypes.c_int
         lib.dd_gather_rows.argtypes = [p, p, p, p, p, p, i64, i64, i]
         lib.dd_gather_rows.restype = None
         lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
@@ -235,6 +237,44 @@ def spec_host_select(
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")
     return pos_out, slot_out
+
+
+def quantize_keys(keys: torch.Tensor, slots: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write the int8 key index of host ``slots`` for every layer (``dd_quantize_keys``): per layer,
+    slot and KV head ``scale = max(max |k|, 1e-12) / 127`` and ``q8 = round(k / scale)`` (to even),
+    clamped to [-127, 127]; the same bytes as
+    :meth:`~dd_sglang.prefetch.index.QuantKeyIndex.update`'s PyTorch arithmetic, in one pass.
+
+    Args:
+        keys: the host tier's keys ``[L, S, Hkv, D]``, bfloat16 or float32, contiguous.
+        slots: ``[n]`` int64 host slots.
+        q8: ``[L, S, Hkv, D]`` int8 and ``scale``: ``[L, S, Hkv]`` float32, contiguous (written at
+            ``slots``).
+
+    Raises:
+        NativeUnavailable: the kernel is not loaded.
+        ValueError: a dtype, shape or layout it does not take (the message names it).
+    """
+    lib = load()
+    if lib is None:
+        raise NativeUnavailable("the CPU selection kernel is not built here")
+    if keys.dtype not in (torch.bfloat16, torch.float32) or keys.dim() != 4:
+        raise ValueError(f"keys must be [L, S, Hkv, D] bfloat16 or float32, got {keys.dtype} {tuple(keys.shape)}")
+    if q8.dtype != torch.int8 or q8.shape != keys.shape:
+        raise ValueError(f"q8 must be int8 {tuple(keys.shape)}, got {q8.dtype} {tuple(q8.shape)}")
+    if scale.dtype != torch.float32 or scale.shape != keys.shape[:3]:
+        raise ValueError(f"scale must be float32 {tuple(keys.shape[:3])}, got {scale.dtype} {tuple(scale.shape)}")
+    if keys.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {keys.shape[3]}")
+    for name, t in (("keys", keys), ("q8", q8), ("scale", scale)):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    slots = slots.to(torch.int64).contiguous()
+    n_layers, s, hkv, d = keys.shape
+    rc = lib.dd_quantize_keys(n_layers, s, hkv, d, _ptr(keys), int(keys.dtype == torch.bfloat16), _ptr(slots),
+                              int(slots.numel()), _ptr(q8), _ptr(scale), torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"the CPU kernel refused head_dim {d}")
 
 
 #: Bytes (K or V) below which a copy runs on the calling thread alone (a 1-row SmolLM2 step's

@@ -57,6 +57,8 @@ from functools import cached_property
 
 import torch
 
+from dd_sglang.kernels import native as native_kernel
+
 #: Tokens summarised by one index entry (Quest's default page size).
 BLOCK_TOKENS = 16
 #: A row split over more host-tier runs than this is scored from one gather instead of a GEMM
@@ -144,12 +146,16 @@ class QuantKeyIndex:
     Args:
         host_k: the host tier's keys, ``[num_layers, host_slots, num_kv_heads, head_dim]``.
         device: where the copy lives (``"cpu"``: host memory).
+        native: quantise with the C kernel (:func:`dd_sglang.kernels.native.quantize_keys`, the
+            same bytes in one pass) where the keys and the copy are contiguous in host memory.
     """
 
-    def __init__(self, host_k: torch.Tensor, device: torch.device | str = "cpu"):
+    def __init__(self, host_k: torch.Tensor, device: torch.device | str = "cpu", native: bool = False):
         n_layers, slots, hkv, d = host_k.shape
         self.host_k = host_k
         self.device = torch.device(device)
+        self.native = (native and host_k.device.type == "cpu" and self.device.type == "cpu"
+                       and host_k.is_contiguous())  # fmt: skip
         self.q8 = torch.zeros((n_layers, slots, hkv, d), dtype=torch.int8, device=self.device)
         self.scale = torch.zeros((n_layers, slots, hkv), dtype=torch.float32, device=self.device)
 
@@ -166,6 +172,9 @@ class QuantKeyIndex:
             start, end: positions, ``0 <= start < end``.
         """
         all_slots = host_slots[start:end].to(self.host_k.device)
+        if self.native:
+            native_kernel.quantize_keys(self.host_k, all_slots, self.q8, self.scale)
+            return
         n_layers, _, hkv, d = self.host_k.shape
         # Every layer at once (a handful of operations, not ten a layer), in chunks of positions
         # whose float32 keys [L, n, Hkv, D] stay within UPDATE_CHUNK_BYTES (a whole prompt's

@@ -236,7 +236,7 @@ class SparseStepRunner:
         idx = self.indexes.get(location)
         if idx is None:
             if location == "host":
-                idx = QuantKeyIndex(self.host.k, "cpu")
+                idx = QuantKeyIndex(self.host.k, "cpu", native=self.native)
             else:
                 idx = KeyBlockIndex(self.host.k, self.device)
             self.indexes[location] = idx
