@@ -31,7 +31,7 @@ Start-up, in order (every check runs before any SGLang process exists):
    protects its ``/stats``.
 8. SIGINT/SIGTERM: SIGTERM to SGLang's whole process group, SIGKILL after
    :data:`SHUTDOWN_GRACE_S` seconds, stop the sidecar, remove the metrics
-   folder, exit 0. If SGLang exits on its own, exit with its code.
+   folder and SGLang's temporary folder (its ``TMPDIR``), exit 0. If SGLang exits on its own, exit with its code.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ logger = logging.getLogger("dd_sglang.launch_server")
 SHUTDOWN_GRACE_S = 20.0
 SIDECAR_RESTART_MIN_S = 1.0
 PROM_DIR_PREFIX = "dd_sglang_prom_"
+#: Prefix of SGLang's private temporary folder (its ``TMPDIR``): SGLang 0.5.23 leaves its ZMQ
+#: sockets and port files (``tempfile`` names) behind in the system's temporary folder, six
+#: entries a run; they go with this folder when SGLang stops.
+TMP_DIR_PREFIX = "dd_sglang_tmp_"
 DD_FLAGS_HELP = """dd_sglang flags (every other flag goes to SGLang unchanged; SGLang's flags follow):
   --dd-config NAME|PATH   preset in configs/ or a YAML file (default: cpu-smollm2)
   --metrics-port N        metrics sidecar port (default from the preset: 9464). Shadows SGLang's own
@@ -255,18 +259,20 @@ def _port_error(host: str, port: int) -> str | None:
 
 
 def _clean_stale_metrics_dirs() -> None:
-    """Remove metrics folders left by launchers that died without cleaning up (e.g. SIGKILL)."""
-    for d in Path(tempfile.gettempdir()).glob(f"{PROM_DIR_PREFIX}*"):
-        try:
-            pid = int(d.name[len(PROM_DIR_PREFIX) :].split("_", 1)[0])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:
-            pass
+    """Remove metrics and SGLang temporary folders left by launchers that died without cleaning
+    up (e.g. SIGKILL)."""
+    for prefix in (PROM_DIR_PREFIX, TMP_DIR_PREFIX):
+        for d in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+            try:
+                pid = int(d.name[len(prefix) :].split("_", 1)[0])
+            except ValueError:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                shutil.rmtree(d, ignore_errors=True)
+            except PermissionError:
+                pass
 
 
 def _fail(msg: str) -> int:
@@ -385,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     prom_dir = tempfile.mkdtemp(prefix=f"{PROM_DIR_PREFIX}{os.getpid()}_")
     env = dict(os.environ)
     env["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+    sglang_tmp = tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}_")
+    env["TMPDIR"] = sglang_tmp  # SGLang's temporary files go with it (TMP_DIR_PREFIX)
     env[CONFIG_ENV] = json.dumps(cfg.model_dump())
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     if threads_bind is not None:
@@ -456,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     sidecar.stop()
     metrics_sock.close()
     shutil.rmtree(prom_dir, ignore_errors=True)
+    shutil.rmtree(sglang_tmp, ignore_errors=True)
     logger.info("stopped (exit code %s)", rc)
     return rc
 

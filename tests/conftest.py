@@ -10,7 +10,8 @@ The suite hides both:
   server-free tests, which run first (:func:`pytest_collection_modifyitems`). Its fixture then
   only waits for it to be healthy (:func:`serve`).
 * **Stopped behind.** At its fixture's teardown a server gets SIGTERM and is waited for in a
-  background thread; its checks (exit 0, no process left, no crash or ``Traceback`` logged)
+  background thread; its checks (exit 0, no process left, SGLang's temporary folder removed, no crash or
+  ``Traceback`` logged)
   are asserted at the end of the session, naming the server.
 
 ``pytest tests/test_config.py`` starts no server: only the fixtures of selected tests boot.
@@ -18,6 +19,7 @@ The suite hides both:
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +94,8 @@ def _stop_and_check(srv: ServerProcess, no_traceback: bool) -> str | None:
         return f"launcher exit code {rc}, processes left {alive} after SIGTERM:\n{srv.log_tail()}"
     if "crashed with exit code" in log:
         return f"SGLang saw a crash during a normal stop:\n{srv.log_tail()}"
+    if left := list(Path(tempfile.gettempdir()).glob(f"dd_sglang_tmp_{srv.proc.pid}_*")):
+        return f"SGLang's temporary folder left behind: {left}"
     if no_traceback and "Traceback" in log:
         return f"a Traceback in the server log ({srv.log_path}):\n{srv.log_tail()}"
     return None

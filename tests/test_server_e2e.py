@@ -155,6 +155,17 @@ def test_healthz(server):
     assert r.json() == {"status": "ok"}
 
 
+def test_sglang_temporary_files_live_in_the_launchers_folder(server):
+    """SGLang's ZMQ sockets and port files go to the launcher's ``dd_sglang_tmp_<pid>_*`` folder (its
+    ``TMPDIR``), which the launcher removes when it stops (checked at the end of the session)."""
+    import stat
+    import tempfile
+    from pathlib import Path
+
+    (folder,) = Path(tempfile.gettempdir()).glob(f"dd_sglang_tmp_{server.proc.pid}_*")
+    assert any(stat.S_ISSOCK(p.lstat().st_mode) for p in folder.iterdir())
+
+
 def test_metrics_dd_series_and_byte_accounting(server):
     # Traffic first, so the scheduler has published after a batch.
     _post(server, "/v1/completions", {"model": "x", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
