@@ -5,55 +5,33 @@ stop ~8 s, mostly SGLang's 5 s shutdown poll (``tokenizer_manager.py: sigterm_wa
 The suite hides both:
 
 * **Booted ahead.** Fixtures that own a server register how to launch it
-  (:func:`boots`). Before the first test, every registered server that a selected test uses
+  (:func:`tests.servers.boots`; the registry and the stops live in ``tests/servers.py``, one
+  module for every conftest). Before the first test, every registered server that a selected test uses
   is launched at once (:func:`_boot`) and starts up side by side with the others and with the
   server-free tests, which run first (:func:`pytest_collection_modifyitems`). Its fixture then
-  only waits for it to be healthy (:func:`serve`).
+  only waits for it to be healthy (:func:`tests.servers.serve`).
 * **Stopped behind.** At its fixture's teardown a server gets SIGTERM and is waited for in a
-  background thread; its checks (exit 0, no process left, SGLang's temporary folder removed, no crash or
-  ``Traceback`` logged)
-  are asserted at the end of the session, naming the server.
+  background thread; its checks (exit 0, no process left, SGLang's temporary folder removed,
+  no crash or ``Traceback`` logged) are asserted at the end of the session, naming the server.
 
 ``pytest tests/test_config.py`` starts no server: only the fixtures of selected tests boot.
 """
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from bench.server import ServerProcess, launch_server
+from tests.servers import LAUNCHERS, booted, boots, serve, stop_and_check, stop_behind, stopping
 
 #: KV pool cap of the test server, in tokens (small: the suite runs on 2 cores / 24 GB).
 TEST_MAX_TOTAL_TOKENS = 12288
-#: Seconds a server may take from its launch to healthy (a loaded 2-core machine: > 300 s).
-START_TIMEOUT_S = 900
-
-#: fixture name -> function(tmp_path_factory, tokenizer) that launches its server (not waiting).
-_LAUNCHERS: dict[str, Callable[[pytest.TempPathFactory, object], ServerProcess]] = {}
-_booted: dict[str, ServerProcess] = {}
-_stopping: list[tuple[str, Future]] = []
-_reaper = ThreadPoolExecutor(max_workers=4, thread_name_prefix="server-stop")
-
-
-def boots(fixture_name: str):
-    """Register ``fn(tmp_path_factory, tokenizer) -> ServerProcess`` (from
-    :func:`bench.server.launch_server`) as the launch of the server that fixture
-    ``fixture_name`` serves with :func:`serve`."""
-
-    def register(fn):
-        _LAUNCHERS[fixture_name] = fn
-        return fn
-
-    return register
 
 
 def _uses_booted(item: pytest.Item) -> bool:
-    return any(name in _LAUNCHERS for name in getattr(item, "fixturenames", ()))
+    return any(name in LAUNCHERS for name in getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -72,55 +50,18 @@ def pytest_collection_modifyitems(session, config, items):
 def _boot(request, tmp_path_factory):
     """Launch every registered server a selected test uses (module docstring); at the end of the
     session, wait for every stop and assert its checks."""
-    needed = {n for it in request.session.items for n in getattr(it, "fixturenames", ()) if n in _LAUNCHERS}
+    needed = {n for it in request.session.items for n in getattr(it, "fixturenames", ()) if n in LAUNCHERS}
     if needed:
         tok = request.getfixturevalue("tokenizer")
         for name in sorted(needed):
-            _booted[name] = _LAUNCHERS[name](tmp_path_factory, tok)
+            booted[name] = LAUNCHERS[name](tmp_path_factory, tok)
     yield
-    for name, srv in _booted.items():  # launched for a test that was then deselected or skipped
-        stop_behind(name, lambda srv=srv: _stop_and_check(srv, False))
-    failures = [f"{name}: {err}" for name, fut in _stopping if (err := fut.result())]
-    _booted.clear()
-    _stopping.clear()
+    for name, srv in booted.items():  # launched for a test that was then deselected or skipped
+        stop_behind(name, lambda srv=srv: stop_and_check(srv, False))
+    failures = [f"{name}: {err}" for name, fut in stopping if (err := fut.result())]
+    booted.clear()
+    stopping.clear()
     assert not failures, "\n\n".join(failures)
-
-
-def _stop_and_check(srv: ServerProcess, no_traceback: bool) -> str | None:
-    """Stop ``srv``; None, or what went wrong with its log tail."""
-    rc, alive = srv.stop()
-    log = srv.log_path.read_text(errors="replace")
-    if rc != 0 or alive:
-        return f"launcher exit code {rc}, processes left {alive} after SIGTERM:\n{srv.log_tail()}"
-    if "crashed with exit code" in log:
-        return f"SGLang saw a crash during a normal stop:\n{srv.log_tail()}"
-    if left := list(Path(tempfile.gettempdir()).glob(f"dd_sglang_tmp_{srv.proc.pid}_*")):
-        return f"SGLang's temporary folder left behind: {left}"
-    if no_traceback and "Traceback" in log:
-        return f"a Traceback in the server log ({srv.log_path}):\n{srv.log_tail()}"
-    return None
-
-
-def stop_behind(name: str, stop: Callable[[], str | None]) -> None:
-    """Run ``stop`` (a server's stop and checks: None, or what went wrong) in the background;
-    its result is asserted at the end of the session, under ``name``."""
-    _stopping.append((name, _reaper.submit(stop)))
-
-
-def serve(name: str, tmp_path_factory, tokenizer, no_traceback: bool = True):
-    """A fixture body for a booted server (:func:`boots`): wait until it is healthy (a failed
-    start fails the test), yield it, then stop it in the background (module docstring). A
-    server not booted ahead (its fixture was reached another way) is launched here.
-
-    ``no_traceback``: also require that its log holds no ``Traceback`` at the stop.
-    """
-    srv = _booted.pop(name, None) or _LAUNCHERS[name](tmp_path_factory, tokenizer)
-    try:
-        srv.wait_ready(START_TIMEOUT_S)
-    except RuntimeError as err:
-        pytest.fail(f"{name}: {err}")
-    yield srv
-    stop_behind(name, lambda: _stop_and_check(srv, no_traceback))
 
 
 @pytest.fixture(scope="session")

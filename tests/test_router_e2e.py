@@ -28,7 +28,7 @@ from bench.gateway import served_by, start_gateway
 from bench.prompts import FILLER, INSTRUCTION, passkey_prompt
 from bench.server import ROOT, scrape
 from dd_sglang.launch_router import healthy_workers
-from tests.conftest import stop_behind
+from tests.servers import stop_behind
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2-135m-instruct"

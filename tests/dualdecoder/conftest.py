@@ -15,7 +15,7 @@ import pytest
 
 from bench.client import COMMON_FLAGS, bench_preset
 from bench.server import ServerProcess, launch_server
-from tests.conftest import boots, serve
+from tests.servers import boots, serve
 
 #: Device KV pool of the package's server (tokens): two ~4k dense requests fit, three do not.
 CAP = 8400

@@ -27,7 +27,7 @@ import yaml
 
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, ServerProcess, launch_server
-from tests.conftest import boots, serve
+from tests.servers import boots, serve
 
 from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token
 
