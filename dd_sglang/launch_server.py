@@ -258,7 +258,7 @@ def _port_error(host: str, port: int) -> str | None:
     return None
 
 
-def _clean_stale_metrics_dirs() -> None:
+def _clean_stale_dirs() -> None:
     """Remove metrics and SGLang temporary folders left by launchers that died without cleaning
     up (e.g. SIGKILL)."""
     for prefix in (PROM_DIR_PREFIX, TMP_DIR_PREFIX):
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         return _fail(f"metrics.port: {m.host}:{m.port} is not available ({err.strerror})")
 
-    _clean_stale_metrics_dirs()
+    _clean_stale_dirs()
     prom_dir = tempfile.mkdtemp(prefix=f"{PROM_DIR_PREFIX}{os.getpid()}_")
     env = dict(os.environ)
     env["PROMETHEUS_MULTIPROC_DIR"] = prom_dir

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.server import ServerProcess
+from dd_sglang.launch_server import TMP_DIR_PREFIX
 
 #: Seconds a server may take from its launch to healthy (a loaded 2-core machine: > 300 s).
 START_TIMEOUT_S = 900
@@ -48,7 +49,7 @@ def stop_and_check(srv: ServerProcess, no_traceback: bool) -> str | None:
         return f"launcher exit code {rc}, processes left {alive} after SIGTERM:\n{srv.log_tail()}"
     if "crashed with exit code" in log:
         return f"SGLang saw a crash during a normal stop:\n{srv.log_tail()}"
-    if left := list(Path(tempfile.gettempdir()).glob(f"dd_sglang_tmp_{srv.proc.pid}_*")):
+    if left := list(Path(tempfile.gettempdir()).glob(f"{TMP_DIR_PREFIX}{srv.proc.pid}_*")):
         return f"SGLang's temporary folder left behind: {left}"
     if no_traceback and "Traceback" in log:
         return f"a Traceback in the server log ({srv.log_path}):\n{srv.log_tail()}"
@@ -63,13 +64,12 @@ def stop_behind(name: str, stop: Callable[[], str | None]) -> None:
 
 def serve(name: str, tmp_path_factory, tokenizer, no_traceback: bool = True):
     """A fixture body for a booted server (:func:`boots`): wait until it is healthy (a failed
-    start fails the test), yield it, then stop it in the background (module docstring). A
+    start fails the test), yield it, then stop it in the background (``tests/conftest.py``). A
     server not booted ahead (its fixture was reached another way) is launched here.
 
     ``no_traceback``: also require that its log holds no ``Traceback`` at the stop.
     """
-    srv = booted.pop(name, None)
-    srv = srv or LAUNCHERS[name](tmp_path_factory, tokenizer)
+    srv = booted.pop(name, None) or LAUNCHERS[name](tmp_path_factory, tokenizer)
     try:
         srv.wait_ready(START_TIMEOUT_S)
     except RuntimeError as err:

@@ -237,19 +237,21 @@ def test_unusable_cache_folder_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "DD_SGLANG_CACHE" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_stale_metrics_folders_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+def test_stale_folders_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+    """Metrics folders and SGLang temporary folders of launchers no longer alive go; a live one's stay."""
     import os
     import tempfile
 
     from dd_sglang import launch_server as ls
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
-    dead = tmp_path / f"{ls.PROM_DIR_PREFIX}999999999_abc"
-    live = tmp_path / f"{ls.PROM_DIR_PREFIX}{os.getpid()}_abc"
-    dead.mkdir()
-    live.mkdir()
-    ls._clean_stale_metrics_dirs()
-    assert not dead.exists() and live.exists()
+    for prefix in (ls.PROM_DIR_PREFIX, ls.TMP_DIR_PREFIX):
+        dead = tmp_path / f"{prefix}999999999_abc"
+        live = tmp_path / f"{prefix}{os.getpid()}_abc"
+        dead.mkdir()
+        live.mkdir()
+        ls._clean_stale_dirs()
+        assert not dead.exists() and live.exists()
 
 
 def test_dualdecoder_backend_brings_its_radix_cache_and_scheduler_flags():

@@ -162,7 +162,9 @@ def test_sglang_temporary_files_live_in_the_launchers_folder(server):
     import tempfile
     from pathlib import Path
 
-    (folder,) = Path(tempfile.gettempdir()).glob(f"dd_sglang_tmp_{server.proc.pid}_*")
+    from dd_sglang.launch_server import TMP_DIR_PREFIX
+
+    (folder,) = Path(tempfile.gettempdir()).glob(f"{TMP_DIR_PREFIX}{server.proc.pid}_*")
     assert any(stat.S_ISSOCK(p.lstat().st_mode) for p in folder.iterdir())
 
 

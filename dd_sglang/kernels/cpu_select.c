@@ -639,8 +639,8 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
 /* The int8 key index of n host slots (QuantKeyIndex.update): for every layer l < L, slot
  * slots[i] and KV head h, scale = max(max_d |k|, 1e-12) / 127 and q8 = round(k / scale) to nearest
  * even, clamped to [-127, 127]: PyTorch's float32 arithmetic step for step (true division,
- * nearbyintf), so both give the same bytes. One pass over the keys (PyTorch's version made ~10
- * passes over a float32 copy: ~0.1 s for a 4k prompt's 30 layers, in the first sparse step).
+ * nearbyintf), so both give the same bytes. One pass over the keys (PyTorch's version makes ~10
+ * passes over a float32 copy; a request's whole prompt is indexed in its first sparse step).
  *
  * keys  [L, S, H, D] bfloat16 (key_bf16 = 1) or float32 (layer stride S H D)
  * q8    [L, S, H, D] int8, scale [L, S, H] float32 (written at the given slots)
