@@ -295,49 +295,119 @@ def _announce_when_ready(
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(DD_FLAGS_HELP)
-        return subprocess.call([sys.executable, "-m", "sglang.launch_server", "--help"])
-    dd_args, sglang_argv = parse_dd_args(argv)
-    try:
-        cfg = load_config(dd_args.dd_config)
-        overrides = {}
-        if dd_args.metrics_port is not None:
-            overrides["port"] = dd_args.metrics_port
-        if dd_args.metrics_host is not None:
-            overrides["host"] = dd_args.metrics_host
-        if overrides:
-            from dd_sglang.config import parse_config
+class _Refused(Exception):
+    """A start-up check failed before any SGLang process exists (the message is for the user)."""
 
-            data = cfg.model_dump()
-            data["metrics"].update(overrides)
-            cfg = parse_config(data, "--metrics-port/--metrics-host")
-    except ConfigError as err:
-        return _fail(str(err))
 
+def _config(dd_args: argparse.Namespace) -> DDConfig:
+    """Step 2: the preset, with ``--metrics-port`` / ``--metrics-host`` applied.
+
+    Raises:
+        ConfigError: a bad preset or flag value (the message names the key).
+    """
+    cfg = load_config(dd_args.dd_config)
+    overrides = {}
+    if dd_args.metrics_port is not None:
+        overrides["port"] = dd_args.metrics_port
+    if dd_args.metrics_host is not None:
+        overrides["host"] = dd_args.metrics_host
+    if not overrides:
+        return cfg
+    from dd_sglang.config import parse_config
+
+    data = cfg.model_dump()
+    data["metrics"].update(overrides)
+    return parse_config(data, "--metrics-port/--metrics-host")
+
+
+def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | None]:
+    """Step 3: ``(model_path, served_name)`` to add to SGLang's flags (both None when the command
+    line gives ``--model-path``); the embedded model is converted on first use.
+
+    Raises:
+        _Refused: a local model folder that does not exist; the embedded model cannot be prepared.
+    """
     user_model = flag_value(sglang_argv, "--model-path") or cfg.model.path
     if (
         user_model
         and user_model.startswith(("/", "./", "../", "~"))
         and not Path(user_model).expanduser().exists()
     ):
-        return _fail(f"--model-path / model.path: no such local folder: {user_model}")
-    model_path = served_name = None
-    if not has_flag(sglang_argv, "--model-path"):
-        if cfg.model.path:
-            model_path = cfg.model.path
-        else:
-            from dd_sglang.models.smollm2 import SERVED_MODEL_NAME, ModelError, prepare_model
+        raise _Refused(f"--model-path / model.path: no such local folder: {user_model}")
+    if has_flag(sglang_argv, "--model-path"):
+        return None, None
+    if cfg.model.path:
+        return cfg.model.path, None
+    from dd_sglang.models.smollm2 import SERVED_MODEL_NAME, ModelError, prepare_model
 
-            served_name = SERVED_MODEL_NAME
-            try:
-                model_path = str(prepare_model())
-            except ModelError as err:
-                return _fail(str(err))
+    try:
+        return str(prepare_model()), SERVED_MODEL_NAME
+    except ModelError as err:
+        raise _Refused(str(err)) from None
+
+
+def _port(full_argv: list[str], cfg: DDConfig) -> tuple[str, int]:
+    """SGLang's ``(host, port)``. Raises :class:`_Refused` for a port outside 1..65535."""
+    host = flag_value(full_argv, "--host") or cfg.server.host
+    raw_port = flag_value(full_argv, "--port") or cfg.server.port
+    try:
+        port = int(raw_port)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise _Refused(f"--port must be an integer in 1..65535, got {raw_port!r}")
+    return host, port
+
+
+def _check_dualdecoder(full_argv: list[str], cfg: DDConfig) -> None:
+    """The ``dualdecoder`` backend's refusals: flags its sparse path cannot serve, and a host tier
+    (plus its int8 key index) larger than the host memory available now.
+
+    Raises:
+        _Refused: either (the message names the flag or ``sparse.host_tier_bytes``).
+    """
+    if flag_value(full_argv, "--attention-backend") != "dualdecoder":
+        return
+    from dd_sglang.kvcache.params import host_memory_available_bytes
+    from dd_sglang.prefetch.index import quant_index_bytes_bound
+
+    for flag in ("--enable-mixed-chunk", "--enable-hierarchical-cache"):
+        if has_flag(full_argv, flag):
+            raise _Refused(f"--attention-backend dualdecoder does not support {flag}; drop that flag")
+    tier, have = cfg.sparse.host_tier_bytes, host_memory_available_bytes()
+    need = tier + quant_index_bytes_bound(tier)
+    if need > have:
+        raise _Refused(
+            f"sparse.host_tier_bytes {tier} and its int8 key index (up to {need - tier} bytes) exceed "
+            f"the host memory available now ({max(have, 0)} bytes, free memory less a 512 MiB margin); "
+            "lower it in the preset (--dd-config)"
+        )
+
+
+def _metrics_socket(cfg: DDConfig, host: str, port: int) -> socket.socket:
+    """Step 5: check SGLang's port is free and bind the metrics port (kept by this launcher).
+
+    Raises:
+        _Refused: the metrics port equals SGLang's, or either port is taken.
+    """
+    m = cfg.metrics
+    if m.port == port:
+        raise _Refused(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")
+    if err := _port_error(host, port):
+        raise _Refused(f"SGLang --port: {err}")
+    try:
+        return _bind(m.host, m.port)
+    except OSError as err:
+        raise _Refused(f"metrics.port: {m.host}:{m.port} is not available ({err.strerror})") from None
+
+
+def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | None, str, int, socket.socket]:
+    """Steps 3-5: ``(SGLang's full argv, CPU bind value or None, host, port, metrics socket)``.
+
+    Raises:
+        _Refused: any start-up check (nothing is started; the socket is bound only when all pass).
+    """
+    model_path, served_name = _model(cfg, sglang_argv)
     from dd_sglang.platform import activate
 
     cpu = activate() is not None
@@ -346,58 +416,57 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ranks = parallel_ranks(full_argv)
     except ValueError as err:
-        return _fail(str(err))
+        raise _Refused(str(err)) from None
     threads_bind = None
     if cpu and ranks > 1 and CPU_BIND_ENV not in os.environ:
         from sglang.srt.utils.common import get_cpu_ids_by_node
 
         threads_bind = cpu_threads_bind(ranks, get_cpu_ids_by_node())
+    host, port = _port(full_argv, cfg)
+    _check_dualdecoder(full_argv, cfg)
+    return full_argv, threads_bind, host, port, _metrics_socket(cfg, host, port)
 
-    host = flag_value(full_argv, "--host") or cfg.server.host
-    raw_port = flag_value(full_argv, "--port") or cfg.server.port
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the launcher (module docstring); returns the exit code: 0 after a signal, 2 for a
+    refused flag or preset (SGLang's own parser included), 1 when SGLang failed or timed out."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(DD_FLAGS_HELP)
+        return subprocess.call([sys.executable, "-m", "sglang.launch_server", "--help"])
+    dd_args, sglang_argv = parse_dd_args(argv)
     try:
-        port = int(raw_port)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        return _fail(f"--port must be an integer in 1..65535, got {raw_port!r}")
-    if flag_value(full_argv, "--attention-backend") == "dualdecoder":
-        from dd_sglang.kvcache.params import host_memory_available_bytes
-        from dd_sglang.prefetch.index import quant_index_bytes_bound
-
-        for flag in ("--enable-mixed-chunk", "--enable-hierarchical-cache"):
-            if has_flag(full_argv, flag):
-                return _fail(f"--attention-backend dualdecoder does not support {flag}; drop that flag")
-
-        tier, have = cfg.sparse.host_tier_bytes, host_memory_available_bytes()
-        need = tier + quant_index_bytes_bound(tier)
-        if need > have:
-            return _fail(
-                f"sparse.host_tier_bytes {tier} and its int8 key index (up to {need - tier} bytes) exceed "
-                f"the host memory available now ({max(have, 0)} bytes, free memory less a 512 MiB margin); "
-                "lower it in the preset (--dd-config)"
-            )
-    m = cfg.metrics
-    if m.port == port:
-        return _fail(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")
-    if err := _port_error(host, port):
-        return _fail(f"SGLang --port: {err}")
-    try:
-        metrics_sock = _bind(m.host, m.port)
-    except OSError as err:
-        return _fail(f"metrics.port: {m.host}:{m.port} is not available ({err.strerror})")
-
+        cfg = _config(dd_args)
+        full_argv, threads_bind, host, port, metrics_sock = _prepare(cfg, sglang_argv)
+    except (ConfigError, _Refused) as err:
+        return _fail(str(err))
     _clean_stale_dirs()
     prom_dir = tempfile.mkdtemp(prefix=f"{PROM_DIR_PREFIX}{os.getpid()}_")
+    sglang_tmp = tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}_")
+    try:
+        return _serve(cfg, full_argv, threads_bind, host, port, metrics_sock, prom_dir, sglang_tmp)
+    finally:
+        metrics_sock.close()
+        shutil.rmtree(prom_dir, ignore_errors=True)
+        shutil.rmtree(sglang_tmp, ignore_errors=True)
+
+
+def _serve(cfg: DDConfig, full_argv: list[str], threads_bind: str | None, host: str, port: int,
+           metrics_sock: socket.socket, prom_dir: str, sglang_tmp: str) -> int:  # fmt: skip
+    """Steps 6-8: start SGLang and the sidecar, supervise until a signal, SGLang's exit or the
+    start-up timeout, then stop both. Returns the exit code (:func:`main`)."""
     env = dict(os.environ)
     env["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
-    sglang_tmp = tempfile.mkdtemp(prefix=f"{TMP_DIR_PREFIX}{os.getpid()}_")
     env["TMPDIR"] = sglang_tmp  # SGLang's temporary files go with it (TMP_DIR_PREFIX)
     env[CONFIG_ENV] = json.dumps(cfg.model_dump())
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     if threads_bind is not None:
         env[CPU_BIND_ENV] = threads_bind
-        logger.info("%d CPU scheduler processes: %s=%s", ranks, CPU_BIND_ENV, threads_bind)
+        logger.info(
+            "%d CPU scheduler processes: %s=%s", parallel_ranks(full_argv), CPU_BIND_ENV, threads_bind
+        )
     cmd = [sys.executable, "-m", "sglang.launch_server", *full_argv]
     logger.info("starting SGLang: %s", " ".join(cmd))
     t0 = time.monotonic()
@@ -413,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
+    m = cfg.metrics
     sglang_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     sidecar = Sidecar(
         metrics_sock,
@@ -423,13 +493,24 @@ def main(argv: list[str] | None = None) -> int:
         api_key=flag_value(full_argv, "--api-key") or flag_value(full_argv, "--admin-api-key"),
     )
     sidecar.start()
-    metrics_url = f"http://{m.host}:{m.port}"
     ready = threading.Event()
     threading.Thread(
-        target=_announce_when_ready, args=(sglang_url, metrics_url, stop, ready, t0), daemon=True
+        target=_announce_when_ready,
+        args=(sglang_url, f"http://{m.host}:{m.port}", stop, ready, t0),
+        daemon=True,
     ).start()
+    try:
+        rc = _supervise(proc, sidecar, stop, ready, t0, cfg.server.start_timeout_s, received)
+    finally:
+        sidecar.stop()
+    logger.info("stopped (exit code %s)", rc)
+    return rc
 
-    start_timeout = cfg.server.start_timeout_s
+
+def _supervise(proc: subprocess.Popen, sidecar: Sidecar, stop: threading.Event, ready: threading.Event,
+               t0: float, start_timeout: float, received: list[int]) -> int:  # fmt: skip
+    """Wait for a signal (``stop``), SGLang's exit or the start-up timeout (seconds from ``t0``,
+    monotonic), restarting a dead sidecar; then stop SGLang's process group. Returns the exit code."""
     timed_out = False
     while proc.poll() is None and not stop.wait(0.5):
         sidecar.restart_if_dead()
@@ -444,29 +525,22 @@ def main(argv: list[str] | None = None) -> int:
     if timed_out:
         stop.set()
         _stop_group(proc)
-        rc = 1
-    elif rc is None:
+        return 1
+    if rc is None:
         logger.info(
             "signal %s: stopping SGLang (process group %d)", received[0] if received else "?", proc.pid
         )
         _stop_group(proc)
-        rc = 0
-    else:
-        stop.set()
-        logger.error("SGLang exited with code %s", rc)
-        _stop_group(proc)  # reap anything its processes left behind
-        if rc == 2 and not ready.is_set():
-            # argparse's usage error: SGLang's own parser refused a flag (its message is above),
-            # before any engine process started. A bad flag is exit code 2, as for dd's own.
-            logger.error("SGLang refused its command line; nothing was started")
-        else:
-            rc = 1  # SGLang died on its own (a crash, an OOM kill): one code, its own is in the log
-    sidecar.stop()
-    metrics_sock.close()
-    shutil.rmtree(prom_dir, ignore_errors=True)
-    shutil.rmtree(sglang_tmp, ignore_errors=True)
-    logger.info("stopped (exit code %s)", rc)
-    return rc
+        return 0
+    stop.set()
+    logger.error("SGLang exited with code %s", rc)
+    _stop_group(proc)  # reap anything its processes left behind
+    if rc == 2 and not ready.is_set():
+        # argparse's usage error: SGLang's own parser refused a flag (its message is above),
+        # before any engine process started. A bad flag is exit code 2, as for dd's own.
+        logger.error("SGLang refused its command line; nothing was started")
+        return 2
+    return 1  # SGLang died on its own (a crash, an OOM kill): one code, its own is in the log
 
 
 class Sidecar:
