@@ -4,7 +4,7 @@ Usage::
 
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
                                  [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
-                                 [--select-worker] [--torch-kernel]
+                                 [--select-worker] [--torch-kernel] [--unpacked-dense]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -48,6 +48,12 @@ With ``--torch-kernel`` another server runs the preset with ``prefetch.kernel:
 torch`` (every C path off: PyTorch selection, measurement and copies), its
 runs as ``dualdecoder_sparse_torch_kernel`` and ``native_over_torch_kernel``
 the C kernel's tokens/s over it.
+With ``--unpacked-dense`` one more ``torch_native`` server runs with the CPU
+platform's prepacked bfloat16 linear layers off (``DD_SGLANG_CPU_PREPACK=0``,
+:mod:`dd_sglang.platform.linear`; every other server packs them), as
+``sglang_dense_unpacked``: ``packed_over_unpacked_dense`` is what packing gives
+SGLang's own dense path, ``sparse_over_unpacked_dense`` the sparse default over
+dense as it ran before packing.
 Ratios are sparse over dense measured in this run; absolute times on a shared
 CPU are noise. Nothing here is a pass/fail test.
 """
@@ -73,6 +79,7 @@ import yaml
 from bench.client import write_result
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, scrape, start_server
+from dd_sglang.platform.linear import PREPACK_ENV
 
 PHASES = ("plan", "select", "assemble", "attention")
 TPS = "decode_tokens_per_second"
@@ -142,6 +149,8 @@ RATIOS = (
     ("select_worker_over_sglang_dense", "dualdecoder_sparse_select_worker", "sglang_dense"),
     ("torch_kernel_over_sglang_dense", "dualdecoder_sparse_torch_kernel", "sglang_dense"),
     ("native_over_torch_kernel", "dualdecoder_sparse", "dualdecoder_sparse_torch_kernel"),
+    ("sparse_over_unpacked_dense", "dualdecoder_sparse", "sglang_dense_unpacked"),
+    ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
 )
 
 
@@ -178,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
     ap.add_argument("--select-worker", action="store_true",
                     help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
+    ap.add_argument("--unpacked-dense", action="store_true",
+                    help="also SGLang dense with the CPU platform's prepacked linear layers off "
+                         "(DD_SGLANG_CPU_PREPACK=0): sglang_dense_unpacked")  # fmt: skip
     ap.add_argument("--torch-kernel", action="store_true",
                     help="also run the sparse default on a server with prefetch.kernel: torch (no C kernel)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -219,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         "dualdecoder": (["--attention-backend", "dualdecoder"],
                         [("dualdecoder_dense", {"dd_sparse": False}, "dense"), ("dualdecoder_sparse", {}, "sparse")]),
     }  # fmt: skip
+    envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
+    if args.unpacked_dense:
+        servers["unpacked"] = (["--attention-backend", "torch_native"], [("sglang_dense_unpacked", None, None)])
     if args.select_worker:
         preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
         preset.setdefault("prefetch", {})["select"] = "worker"
@@ -234,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     started: dict[str, object] = {}
     try:
         for backend, (flags, _) in servers.items():
-            started[backend] = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900)
+            started[backend] = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900,
+                                            env=envs.get(backend))  # fmt: skip
         order = [(backend, run) for backend, (_, runs) in servers.items() for run in runs]
         if args.warmup_tokens > 0:
             for c in cells:
@@ -286,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['context']} x {r['batch']}: sparse/sglang-dense {r['sparse_over_sglang_dense']:.2f}x, "
               f"sparse/dense same server {r['sparse_over_dense_same_server']:.2f}x, passkeys "
               f"{sp['found']}/{sp['total']} sparse, {dn['found']}/{dn['total']} dense (all rounds)")  # fmt: skip
+        if "packed_over_unpacked_dense" in r:
+            print(f"    packed/unpacked SGLang dense {r['packed_over_unpacked_dense']:.2f}x, "
+                  f"sparse/unpacked dense {r['sparse_over_unpacked_dense']:.2f}x")  # fmt: skip
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -234,6 +235,7 @@ def launch_server(
     max_total_tokens: int,
     extra_args: list[str] | None = None,
     api_key: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """Spawn dd_sglang on free loopback ports and return at once, not waiting for it to be ready.
 
@@ -241,7 +243,8 @@ def launch_server(
     Several servers launched before any is waited on start up side by side: SGLang's start-up
     (25-55 s here) is mostly single-threaded imports, so on 2 cores two of them take little
     longer than one. ``api_key`` adds SGLang's ``--api-key``; :attr:`ServerProcess.headers` then
-    carries it.
+    carries it. ``env``: variables added to this process's environment for the launcher (e.g.
+    ``DD_SGLANG_CPU_PREPACK=0``).
     """
     port, mport = free_port(), free_port()
     cmd = [
@@ -251,7 +254,8 @@ def launch_server(
         *(["--api-key", api_key] if api_key else []),
     ]  # fmt: skip
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **env} if env else None)  # fmt: skip
     log.close()
     srv = ServerProcess(
         f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", proc, log_path, max_total_tokens, api_key
@@ -267,6 +271,7 @@ def start_server(
     extra_args: list[str] | None = None,
     timeout: float = 600.0,
     api_key: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200
     (:func:`launch_server`, then :meth:`ServerProcess.wait_ready`).
@@ -275,4 +280,4 @@ def start_server(
         RuntimeError: the launcher exited, or was not healthy within ``timeout`` s
             (the message carries the log tail).
     """
-    return launch_server(log_path, max_total_tokens, extra_args, api_key).wait_ready(timeout)
+    return launch_server(log_path, max_total_tokens, extra_args, api_key, env).wait_ready(timeout)

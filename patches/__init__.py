@@ -32,6 +32,8 @@ MODULES = (
     "patches.managers_tokenizer_manager",
     "patches.managers_io_struct",
     "patches.entrypoints_http_server",
+    "patches.layers_quantization_unquant",
+    "patches.managers_scheduler_components_weight_updater",
 )
 
 

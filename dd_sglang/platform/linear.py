@@ -1,0 +1,149 @@
+"""Prepacked bfloat16 linear layers for the CPU platform (oneDNN's blocked weight layout).
+
+On a CPU, PyTorch's ``F.linear`` of bfloat16 tensors runs oneDNN's matmul and
+reorders the ``[out, in]`` weight into oneDNN's blocked layout on every call.
+A decode step of a small model is mostly such calls with a few rows each, and
+the reorder costs about as much as the product: single-threaded, the
+SmolLM2-135M layers' products with 2 rows took 19.5 ms a step through
+``F.linear`` against 11.6 ms with the weight packed once (an uncommitted
+microbenchmark; ``bench/decode_speed.py`` measures the served effect). SGLang's
+own CPU engine packs weights the same way for its ``sgl_kernel`` AMX path
+(``_amx_process_weight_after_loading`` in
+``sglang/srt/layers/quantization/unquant.py``), which this platform cannot load.
+
+:func:`packed_linear` packs a layer's weight once, on its first call
+(``torch.ops.mkldnn._reorder_linear_weight``, the op PyTorch Inductor's CPU
+weight-freezing pass uses), and then runs ``torch.ops.mkldnn._linear_pointwise``
+on it, for products of at most :data:`PACK_MAX_ROWS` rows (decode steps; prefill
+keeps ``F.linear``). A pack is used only where it is exact: before first use it
+must give the same bits as ``F.linear`` on probe inputs of every row count it
+may take (with the layer's bias, on the threads the process uses); a weight
+that fails keeps ``F.linear`` (logged). Packs are
+dropped after each of SGLang's weight updates (:func:`invalidate_packs`, hooked
+in ``patches/managers_scheduler_components_weight_updater.py``: their loaders
+write through ``param.data``, which no version counter sees) and when a
+layer's weight tensor is replaced (storage pointer or version changed).
+
+Cost: one more copy of every packed weight in host memory (the tied
+embedding keeps its plain copy for lookups). ``DD_SGLANG_CPU_PREPACK=0`` in the
+launcher's environment turns packing off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+#: Environment switch: "0" keeps every linear layer on ``F.linear``.
+PREPACK_ENV = "DD_SGLANG_CPU_PREPACK"
+#: Most rows (tokens: decode rows x query positions) a product takes through the pack; larger
+#: products (prefill chunks) keep ``F.linear``. On this project's 2-core CPU with 2 threads the pack
+#: gave other bits than ``F.linear`` for some shapes from 300 rows up (576 x 576 weights), where
+#: oneDNN splits the work differently.
+PACK_MAX_ROWS = 32
+#: Row counts of the exactness probe: every count a packed product can take.
+PROBE_ROWS = tuple(range(1, PACK_MAX_ROWS + 1))
+#: oneDNN's batch-size hint for the packed layout. With 2, the packed product equalled ``F.linear``
+#: bit for bit up to 64 rows on this project's CPUs (1 and 2 threads); with 1 it did not from 64 up.
+BATCH_HINT = 2
+_ATTR = "_dd_prepacked"
+_generation = 0
+_logged = False
+
+
+def invalidate_packs() -> None:
+    """Drop every pack (each layer packs again on its next call): after SGLang changed weights."""
+    global _generation
+    _generation += 1
+
+
+def prepack_enabled() -> bool:
+    """Whether packing is on: bfloat16 oneDNN available and :data:`PREPACK_ENV` not "0"."""
+    if os.environ.get(PREPACK_ENV, "1") == "0":
+        return False
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ENABLED = prepack_enabled()
+
+
+def _exact(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the pack gives ``F.linear``'s bits (and, without bias, ``torch.matmul(x, weight.T)``'s:
+    SGLang's lm_head product) on random bfloat16 inputs of :data:`PROBE_ROWS` rows."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if not torch.equal(F.linear(x, weight, bias), got):
+            return False
+        if bias is None and not torch.equal(torch.matmul(x, weight.T), got):  # SGLang's lm_head product
+            return False
+    return True
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's packed copy of ``weight`` (``[out, in]`` bfloat16), or None where it is not exact."""
+    global _logged
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    if _exact(weight, packed, bias):
+        if not _logged:
+            _logged = True
+            log.info("dd_sglang: bf16 linear weights packed in oneDNN's layout on first use (%s=0 turns it off)",
+                     PREPACK_ENV)  # fmt: skip
+        return packed
+    log.warning("dd_sglang: packed bf16 linear %s differs from F.linear here; keeping F.linear",
+                tuple(weight.shape))  # fmt: skip
+    return None
+
+
+def packed_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear(x, layer.weight, bias)`` through the layer's packed weight, or None where this path
+    does not apply (the caller then runs its own ``F.linear``).
+
+    Args:
+        layer: a module with a ``weight`` ``[out, in]`` tensor (SGLang's linear layers).
+        x: ``[..., in]`` activations.
+        bias: ``[out]`` or None.
+
+    Returns:
+        ``[..., out]`` in ``x``'s dtype, the same bits as ``F.linear`` (module docstring), or None:
+        packing off, not a CPU bfloat16 weight and input, a weight that needs gradients, a layer
+        on SGLang's own AMX backend, a pack that was not exact, or more than :data:`PACK_MAX_ROWS`
+        rows.
+    """
+    w = getattr(layer, "weight", None)
+    if (
+        not _ENABLED
+        or not isinstance(w, torch.Tensor)
+        or w.dtype != torch.bfloat16
+        or x.dtype != torch.bfloat16
+        or w.device.type != "cpu"
+        or x.device.type != "cpu"
+        or w.dim() != 2
+        or w.requires_grad
+        or getattr(layer, "use_intel_amx_backend", False)  # SGLang's own AMX path packed it already
+        or (bias is not None and bias.dtype != torch.bfloat16)
+        or x.numel() > PACK_MAX_ROWS * x.shape[-1]
+    ):
+        return None
+    try:
+        version = w._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter (and cannot change in place)
+        version = -1
+    key = (_generation, w.data_ptr(), version, bias is None)
+    entry = layer.__dict__.get(_ATTR)
+    if entry is None or entry[0] != key:
+        entry = (key, _pack(w.detach(), bias))
+        layer.__dict__[_ATTR] = entry
+    packed = entry[1]
+    if packed is None:
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -1,0 +1,24 @@
+"""Hook on ``sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod`` (the scheduler process's model).
+
+* ``UnquantizedLinearMethod.apply`` (AROUND): on a CPU with bfloat16 weights,
+  the product runs through the layer's weight packed once in oneDNN's layout
+  (:func:`dd_sglang.platform.linear.packed_linear`: the same bits as SGLang's
+  ``F.linear``, checked per weight before first use). Everywhere else (CUDA,
+  float32, SGLang's own AMX backend, packing off) SGLang's method runs unchanged.
+"""
+
+from __future__ import annotations
+
+from patches import Hook
+
+_MODULE = "sglang.srt.layers.quantization.unquant"
+
+
+def UnquantizedLinearMethod_apply(original, self, layer, x, bias=None):
+    from dd_sglang.platform.linear import packed_linear
+
+    out = packed_linear(layer, x, bias)
+    return original(self, layer, x, bias) if out is None else out
+
+
+HOOKS = [Hook(f"{_MODULE}.UnquantizedLinearMethod.apply", UnquantizedLinearMethod_apply, "AROUND")]

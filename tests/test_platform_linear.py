@@ -1,0 +1,92 @@
+"""The CPU platform's prepacked bfloat16 linear layers (:mod:`dd_sglang.platform.linear`):
+the same bits as ``F.linear``, and packed again whenever the weight may have changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dd_sglang.platform import linear
+
+pytestmark = pytest.mark.skipif(
+    not linear.prepack_enabled(), reason="oneDNN bfloat16 is not supported on this CPU (packing stays off)"
+)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, out_features: int, in_features: int, dtype=torch.bfloat16, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
+@pytest.mark.parametrize("shape", [(1728, 576), (576, 1536), (64, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 17, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_product_has_the_bits_of_f_linear(shape, rows, with_bias):
+    layer = _Layer(*shape)
+    g = torch.Generator().manual_seed(rows)
+    bias = torch.randn(shape[0], generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, shape[1], generator=g).bfloat16()
+    with torch.inference_mode():
+        got = linear.packed_linear(layer, x, bias)
+        assert got is not None
+        assert torch.equal(got, F.linear(x, layer.weight, bias))
+        x3 = torch.randn(1, rows, shape[1], generator=g).bfloat16()  # [batch, rows, in]
+        assert torch.equal(linear.packed_linear(layer, x3, bias), F.linear(x3, layer.weight, bias))
+        xs = torch.randn(rows, 2 * shape[1], generator=g).bfloat16()[:, ::2]  # strided input
+        assert torch.equal(linear.packed_linear(layer, xs, bias), F.linear(xs, layer.weight, bias))
+
+
+def test_products_of_more_rows_keep_f_linear():
+    x = torch.randn(linear.PACK_MAX_ROWS + 1, 128).bfloat16()
+    with torch.inference_mode():
+        assert linear.packed_linear(_Layer(64, 128), x, None) is None
+        assert linear.packed_linear(_Layer(64, 128), x[: linear.PACK_MAX_ROWS], None) is not None
+
+
+def test_a_weight_update_is_packed_again():
+    layer = _Layer(256, 128)
+    x = torch.randn(2, 128).bfloat16()
+    with torch.inference_mode():
+        before = linear.packed_linear(layer, x, None)
+    layer.weight.data.mul_(2)  # how SGLang's loaders write: no version counter sees it
+    linear.invalidate_packs()  # what the weight-updater hooks call after every update
+    with torch.inference_mode():
+        after = linear.packed_linear(layer, x, None)
+    assert torch.equal(after, F.linear(x, layer.weight))
+    assert not torch.equal(after, before)
+    layer.weight = torch.nn.Parameter(_Layer(256, 128, seed=1).weight.data, requires_grad=False)  # a new tensor
+    with torch.inference_mode():
+        assert torch.equal(linear.packed_linear(layer, x, None), F.linear(x, layer.weight))
+
+
+def test_other_layers_keep_f_linear(monkeypatch):
+    x = torch.randn(2, 128).bfloat16()
+    assert linear.packed_linear(_Layer(64, 128, dtype=torch.float32), x.float(), None) is None
+    assert linear.packed_linear(_Layer(64, 128), x.float(), None) is None  # float32 input
+    amx = _Layer(64, 128)
+    amx.use_intel_amx_backend = True  # SGLang's own AMX path: its weight is already in VNNI layout
+    assert linear.packed_linear(amx, x, None) is None
+    grad = _Layer(64, 128)
+    grad.weight.requires_grad_(True)
+    assert linear.packed_linear(grad, x, None) is None
+    assert linear.packed_linear(_Layer(64, 128), x, torch.zeros(64)) is None  # float32 bias
+    monkeypatch.setattr(linear, "_ENABLED", False)  # DD_SGLANG_CPU_PREPACK=0
+    assert linear.packed_linear(_Layer(64, 128), x, None) is None
+
+
+def test_a_pack_that_is_not_exact_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(linear, "_exact", lambda *a: False)
+    with torch.inference_mode():
+        assert linear.packed_linear(_Layer(64, 128), torch.randn(2, 128).bfloat16(), None) is None
+    assert "keeping F.linear" in caplog.text
+
+
+def test_the_environment_switch_turns_packing_off(monkeypatch):
+    monkeypatch.setenv(linear.PREPACK_ENV, "0")
+    assert linear.prepack_enabled() is False
+    monkeypatch.setenv(linear.PREPACK_ENV, "1")
+    assert linear.prepack_enabled() is True
