@@ -8,6 +8,9 @@ query). Methods:
 
 * ``spec_host rerank=R``: the int8 key index (:class:`~dd_sglang.prefetch.index.QuantKeyIndex`,
   the default, ``R`` = 2), exactly as the server selects.
+* ``int4 rerank=R``: the same with 4-bit keys (absmax / 7 per token and KV head, one
+  signed level in 15), emulated in the int8 index's arithmetic: what halving the
+  index's bytes would cost in recall (no kernel reads 4-bit keys).
 * ``minmax_blocks rerank=R``: Quest's min/max summaries of 16-token blocks
   (:class:`~dd_sglang.prefetch.index.KeyBlockIndex`): the best blocks covering
   ``R x k`` tokens are read and re-ranked exactly (the index ``spec_host`` used
@@ -47,6 +50,18 @@ from dd_sglang.prefetch.index import (
 from dd_sglang.prefetch.selectors import make_selector
 
 N_SINK, N_RECENT = 4, 128
+
+
+class _Int4KeyIndex(QuantKeyIndex):
+    """:class:`QuantKeyIndex` holding 4-bit levels (``round(k / scale)`` in [-7, 7], ``scale = max |k| / 7``)
+    in its int8 tensor: scored by the same arithmetic, so the recall is that of 4-bit keys."""
+
+    def update(self, host_slots: torch.Tensor, start: int, end: int) -> None:
+        dst = host_slots[start:end]
+        keys = self.host_k[:, dst].float()
+        s = keys.abs().amax(dim=-1).clamp_(min=1e-12).div_(7.0)
+        self.q8[:, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-7, 7).to(torch.int8)
+        self.scale[:, dst] = s
 
 
 def _minmax_rerank(q, rows, host_k, k, scale, index, layer, rerank):
@@ -91,9 +106,10 @@ def run(n_tokens: int, k: int, steps: int, kv_bytes: int, model, tok) -> dict:
         for layer in range(n_layers):
             host_k[layer, :n] = cache.layers[layer].keys[0, :, :n].permute(1, 0, 2).float()
         slots = torch.arange(slots_total)
-        blocks, quant = KeyBlockIndex(host_k), QuantKeyIndex(host_k)
+        blocks, quant, quant4 = KeyBlockIndex(host_k), QuantKeyIndex(host_k), _Int4KeyIndex(host_k)
         blocks.update(slots, 0, n)
         quant.update(slots, 0, n)
+        quant4.update(slots, 0, n)
         hi = n - N_RECENT
         rows = row_blocks([slots], [N_SINK], [hi], [torch.arange(N_SINK)])
         cand = hi - N_SINK
@@ -105,6 +121,11 @@ def run(n_tokens: int, k: int, steps: int, kv_bytes: int, model, tok) -> dict:
                 sel = make_selector("spec_host", r).select(q, rows, host_k[layer], k, scale, quant, layer)[0]
                 recall.setdefault(name, []).append(_recall(sel, ref))
                 reads[name] = ((d + 4) / (d * kv_bytes) * cand + min(r * k, cand)) / cand
+            for r in (2, 4):
+                name = f"int4 rerank={r}"
+                sel = make_selector("spec_host", r).select(q, rows, host_k[layer], k, scale, quant4, layer)[0]
+                recall.setdefault(name, []).append(_recall(sel, ref))
+                reads[name] = ((d / 2 + 4) / (d * kv_bytes) * cand + min(r * k, cand)) / cand
             for r in (2, 4, 8):
                 name = f"minmax_blocks rerank={r}"
                 sel = _minmax_rerank(q, rows, host_k[layer], k, scale, blocks, layer, r)
