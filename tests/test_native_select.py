@@ -97,6 +97,30 @@ def test_native_selection_chooses_the_pytorch_sets(d, dtype, hq, march):
     assert (ranked[..., :-1] >= ranked[..., 1:] - 1e-5).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_repair_skips_held_positions_like_pytorch(dtype, march):
+    """A repair's ``budget`` best not-yet-held candidates: the kernel skipping the held positions
+    itself chooses what the PyTorch path masks, and what the ``k + budget`` selection filtered
+    gives, best first; rows hold sets of different sizes (``held_n``)."""
+    host_k, idx, rows, q = _case([1500, 2300, 900], 64, dtype, seed=11)
+    k, budget, scale, layer = 96, 24, 0.125, 1
+    torch_sel, native_sel = make_selector("spec_host", 2.0), make_selector("spec_host", 2.0, native=True)
+    have, _ = native_sel.select(q[layer] * 0.7, rows, host_k[layer], k, scale, idx, layer)  # another query's sets
+    held_n = torch.tensor([k, 50, k])
+    got = native_sel.repair(q[layer], rows, host_k[layer], k, budget, have, held_n, scale, idx, layer)
+    want = torch_sel.repair(q[layer], rows, host_k[layer], k, budget, have, held_n, scale, idx, layer)
+    assert got.shape == (3, 3, budget)
+    assert all(_same_sets(got, want))
+    pos, slots = native_sel.select(q[layer], rows, host_k[layer], k + budget, scale, idx, layer)
+    table, _ = rows.tokens
+    for r in range(3):
+        for h in range(3):
+            held = set(have[r, h, : int(held_n[r])].tolist())
+            free = [s for p, s in zip(pos[r, h].tolist(), slots[r, h].tolist(), strict=True) if p not in held]
+            assert got[r, h].tolist() == free[:budget]  # the same candidates, best first
+            assert not held & {table[r].tolist().index(s) for s in got[r, h].tolist()}
+
+
 def test_native_selection_splits_over_threads_like_one_call(march):
     """The two-thread split (first half of the tasks here, second on the helper) gives the sets of
     a single-layer call per layer."""

@@ -442,8 +442,8 @@ static float logaddexp(float a, float b) {
  * position of candidate c): steps 3-7 of the header. Writes k positions and slots, best first. */
 static void select_head(const float *a, int n, const int32_t *cpos, int G, int D, int k, int m,
                         float scale, const float (*qf)[MAXD], const char *keys_l, int64_t key_row,
-                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc,
-                        float *e, float *sv, int64_t *op, int64_t *os) {
+                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, const uint8_t *skip,
+                        scored *sc, float *e, float *sv, int64_t *op, int64_t *os) {
     float z[MAXG], taken[MAXG];
     if (n <= k) { /* not expected (rows have more than k candidates); keep what there is */
         for (int c = 0; c < k; c++) {
@@ -517,6 +517,7 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
             float v = e[(int64_t)j * mm + i] - z[j];
             best = v > best ? v : best;
         }
+        if (skip && (skip[sc[i].i >> 3] >> (sc[i].i & 7) & 1)) best = -INFINITY; /* held: never chosen */
         sc[i].v = best;
     }
     if (k < mm) select_top(sc, mm, k);
@@ -535,11 +536,15 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
  * q8       [L, S, H, D] int8, kscale [L, S, H] float32   the int8 key index of the chunk's layers
  * keys     [L, S, H, D] bfloat16 (key_bf16 = 1) or float32   the host tier's keys
  * out_pos, out_slots [L, R, H, k] int64
+ * held     [L, R, H, held_k] int64 positions, held_n [R] int64, or NULL: the first held_n[r] positions of
+ *          each row and head are never chosen (a repair: the k best of the re-ranked candidates that
+ *          the row does not hold already; the candidates are the same m as without them)
  * Returns 0, or -1 for a shape this kernel does not take (H * G > MAXG, D > MAXD, k > m, no memory). */
 int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
                         const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
                         const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
-                        int64_t *out_slots, int t0, int t1) {
+                        int64_t *out_slots, const int64_t *held, const int64_t *held_n, int held_k, int t0,
+                        int t1) {
     if (L < 1 || H * G > MAXG || D > MAXD || k > m || k < 1 || t0 < 0 || t1 > L * R) return -1;
     const int HG = H * G;
     float *a = malloc(sizeof(float) * (size_t)HG * P);
@@ -547,12 +552,14 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     float *e = malloc(sizeof(float) * (size_t)G * m);
     int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
     float *sv = malloc(sizeof(float) * 3 * (size_t)P); /* scores, then kth_largest's scratch */
-    if (!a || !sc || !e || !cpos || !sv) {
+    uint8_t *skip = held ? malloc(((size_t)P + 7) / 8) : NULL;
+    if (!a || !sc || !e || !cpos || !sv || (held && !skip)) {
         free(a);
         free(sc);
         free(e);
         free(cpos);
         free(sv);
+        free(skip);
         return -1;
     }
     int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
@@ -639,9 +646,16 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         const char *keys_l = (const char *)keys + (int64_t)l * S * H * D * (key_bf16 ? 2 : 4);
         for (int h = 0; h < H; h++) {
             int64_t o = (((int64_t)l * R + r) * H + h) * k;
+            if (skip) { /* this head's held positions: a bitmap by position */
+                memset(skip, 0, ((size_t)P + 7) / 8);
+                const int64_t *hp = held + (((int64_t)l * R + r) * H + h) * held_k;
+                int64_t hn = held_n[r] < held_k ? held_n[r] : held_k;
+                for (int64_t j = 0; j < hn; j++)
+                    if (hp[j] >= 0 && hp[j] < P) skip[hp[j] >> 3] |= (uint8_t)(1u << (hp[j] & 7));
+            }
             select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])qf[h * G],
-                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, sc, e, sv, out_pos + o,
-                        out_slots + o);
+                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, skip, sc, e, sv,
+                        out_pos + o, out_slots + o);
         }
     }
     free(a);
@@ -649,6 +663,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     free(e);
     free(cpos);
     free(sv);
+    free(skip);
     return 0;
 }
 
@@ -659,7 +674,8 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
 int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
                             const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
                             const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
-                            int64_t *out_slots, int threads) {
+                            int64_t *out_slots, const int64_t *held, const int64_t *held_n, int held_k,
+                            int threads) {
     int tasks = L * R, rc = 0;
     if (threads < 1) threads = 1;
     if (threads > tasks) threads = tasks;
@@ -673,7 +689,7 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
         int t0 = (int)((int64_t)tasks * id / nt), t1 = (int)((int64_t)tasks * (id + 1) / nt);
         if (t1 > t0)
             rc |= dd_spec_host_select(L, R, H, G, D, P, S, q, slots, ok, q8, kscale, keys, key_bf16, k, m, scale,
-                                      out_pos, out_slots, t0, t1);
+                                      out_pos, out_slots, held, held_n, held_k, t0, t1);
     }
     return rc ? -1 : 0;
 }

@@ -135,7 +135,7 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
             log.warning("dd_sglang: CPU selection kernel unavailable, using PyTorch: %s", err)
             return None
         i, p, i64, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        head = [i, i, i, i, i, i, i64, p, p, p, p, p, p, i, i, i, f, p, p]
+        head = [i, i, i, i, i, i, i64, p, p, p, p, p, p, i, i, i, f, p, p, p, p, i]
         lib.dd_spec_host_select.argtypes = [*head, i, i]
         lib.dd_spec_host_select_par.argtypes = [*head, i]
         lib.dd_spec_host_select.restype = lib.dd_spec_host_select_par.restype = ctypes.c_int
@@ -178,6 +178,7 @@ def spec_host_select(
     m: int,
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    held: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``spec_host``'s selection of ``L`` layers (module docstring; arithmetic in ``cpu_select.c``).
 
@@ -191,6 +192,9 @@ def spec_host_select(
         scale: softmax scale.
         out: where to write ``(positions, slots)`` (contiguous ``[L, rows, Hkv, k]`` int64, e.g. views
             of the next step's sets), instead of new tensors.
+        held: ``(positions [L, rows, Hkv, h] int64, counts [rows] int64)``: per row and KV head, the
+            first ``counts[row]`` positions are never chosen (a repair's "best not yet held"; the
+            ``m`` re-ranked candidates are the same as without them).
 
     Returns:
         ``(positions, slots)``, each ``[L, rows, Hkv, k]`` int64, best first (``out`` when given).
@@ -228,11 +232,19 @@ def spec_host_select(
             if t.dtype != torch.int64 or tuple(t.shape) != (n_layers, rows, hkv, k) or not t.is_contiguous():
                 raise ValueError(f"out must be contiguous int64 {(n_layers, rows, hkv, k)}, got {t.dtype} "
                                  f"{tuple(t.shape)}")  # fmt: skip
+    held_args: tuple = (None, None, 0)
+    if held is not None:
+        hpos, hn = held
+        if hpos.dim() != 4 or tuple(hpos.shape[:3]) != (n_layers, rows, hkv) or tuple(hn.shape) != (rows,):
+            raise ValueError(f"held must be ([{n_layers}, {rows}, {hkv}, h], [{rows}]), got "
+                             f"{tuple(hpos.shape)}, {tuple(hn.shape)}")  # fmt: skip
+        hpos, hn = hpos.to(torch.int64).contiguous(), hn.to(torch.int64).contiguous()
+        held_args = (_ptr(hpos), _ptr(hn), int(hpos.shape[3]))
     s = keys.shape[1]
     tasks = n_layers * rows
     args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),
             _ptr(kscale), _ptr(keys), int(keys.dtype == torch.bfloat16), k, m, float(scale),
-            _ptr(pos_out), _ptr(slot_out))  # fmt: skip
+            _ptr(pos_out), _ptr(slot_out), *held_args)  # fmt: skip
     rc = lib.dd_spec_host_select_par(*args, min(tasks, torch.get_num_threads()))
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")

@@ -473,24 +473,10 @@ class SparseStepRunner:
         blocks = self._blocks_of(plan, "repair", rows)
         q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
         budget = plan.repair_budget
-        have = plan.fixed_pos[layer][rows]  # [n, Hkv, k]
-        valid = torch.arange(have.shape[2]) < plan.top_k[rows].view(-1, 1, 1)
-        held = torch.zeros(*have.shape[:2], blocks.cand.shape[1], dtype=torch.bool)  # by position
-        held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
-        if self._repair_scorer.native:
-            # The k + budget best of the real query, best first: at most k of them are held, so the
-            # first `budget` not held are the best `budget` not held among all re-ranked candidates.
-            pos, slots = self._repair_scorer.select(q, blocks, self.host.k[layer], plan.k + budget, scale,
-                                                    self.index("host"), layer)  # fmt: skip
-            rank = torch.arange(pos.shape[-1]).expand_as(pos).masked_fill(held.gather(2, pos), pos.shape[-1])
-            top = rank.topk(budget, dim=-1, largest=False, sorted=True).indices
-        else:
-            pos, slots, score = self._repair_scorer.score(
-                q, blocks, self.host.k[layer], plan.k + budget, scale, self.index("host"), layer
-            )
-            top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
-        self._put(layer, rows, slots.gather(-1, top), plan.n_res + plan.k)
-        self.tally.miss("repair", int(rows.numel()), int(rows.numel()) * top.shape[1] * budget)
+        slots = self._repair_scorer.repair(q, blocks, self.host.k[layer], plan.k, budget, plan.fixed_pos[layer][rows],
+                                           plan.top_k[rows], scale, self.index("host"), layer)  # fmt: skip
+        self._put(layer, rows, slots, plan.n_res + plan.k)
+        self.tally.miss("repair", int(rows.numel()), int(rows.numel()) * slots.shape[1] * budget)
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
         """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
