@@ -422,6 +422,8 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
         from sglang.srt.utils.common import get_cpu_ids_by_node
 
         threads_bind = cpu_threads_bind(ranks, get_cpu_ids_by_node())
+        if threads_bind is not None:
+            logger.info("%d CPU scheduler processes: %s=%s", ranks, CPU_BIND_ENV, threads_bind)
     host, port = _port(full_argv, cfg)
     _check_dualdecoder(full_argv, cfg)
     return full_argv, threads_bind, host, port, _metrics_socket(cfg, host, port)
@@ -464,9 +466,6 @@ def _serve(cfg: DDConfig, full_argv: list[str], threads_bind: str | None, host: 
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     if threads_bind is not None:
         env[CPU_BIND_ENV] = threads_bind
-        logger.info(
-            "%d CPU scheduler processes: %s=%s", parallel_ranks(full_argv), CPU_BIND_ENV, threads_bind
-        )
     cmd = [sys.executable, "-m", "sglang.launch_server", *full_argv]
     logger.info("starting SGLang: %s", " ".join(cmd))
     t0 = time.monotonic()

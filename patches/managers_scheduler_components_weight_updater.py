@@ -14,45 +14,29 @@ from patches import Hook
 _CLASS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 
 
-def _invalidate(result):
-    from dd_sglang.platform.linear import invalidate_packs
-
-    invalidate_packs()
-    return result
-
-
-def SchedulerWeightUpdaterManager_update_weights_from_disk(result, self, *args, **kwargs):
-    return _invalidate(result)
-
-
-def SchedulerWeightUpdaterManager_update_weights_from_distributed(result, self, *args, **kwargs):
-    return _invalidate(result)
+#: The updater's methods after which the weights may have changed.
+METHODS = (
+    "update_weights_from_disk",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+    "update_weights_from_ipc",
+    "end_weight_update",
+    "resume_memory_occupation",
+)
 
 
-def SchedulerWeightUpdaterManager_update_weights_from_tensor(result, self, *args, **kwargs):
-    return _invalidate(result)
+def _invalidating(method: str):
+    """The AFTER hook of ``SchedulerWeightUpdaterManager.<method>``: drop every packed weight, return
+    the method's result. Named after the symbol (``SchedulerWeightUpdaterManager_<method>``)."""
+
+    def hook(result, self, *args, **kwargs):
+        from dd_sglang.platform.linear import invalidate_packs
+
+        invalidate_packs()
+        return result
+
+    hook.__name__ = hook.__qualname__ = f"SchedulerWeightUpdaterManager_{method}"
+    return hook
 
 
-def SchedulerWeightUpdaterManager_update_weights_from_ipc(result, self, *args, **kwargs):
-    return _invalidate(result)
-
-
-def SchedulerWeightUpdaterManager_end_weight_update(result, self, *args, **kwargs):
-    return _invalidate(result)
-
-
-def SchedulerWeightUpdaterManager_resume_memory_occupation(result, self, *args, **kwargs):
-    return _invalidate(result)
-
-
-HOOKS = [
-    Hook(f"{_CLASS}.{fn.__name__.split('_', 1)[1]}", fn, "AFTER")
-    for fn in (
-        SchedulerWeightUpdaterManager_update_weights_from_disk,
-        SchedulerWeightUpdaterManager_update_weights_from_distributed,
-        SchedulerWeightUpdaterManager_update_weights_from_tensor,
-        SchedulerWeightUpdaterManager_update_weights_from_ipc,
-        SchedulerWeightUpdaterManager_end_weight_update,
-        SchedulerWeightUpdaterManager_resume_memory_occupation,
-    )
-]
+HOOKS = [Hook(f"{_CLASS}.{method}", _invalidating(method), "AFTER") for method in METHODS]

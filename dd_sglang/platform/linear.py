@@ -2,11 +2,9 @@
 
 On a CPU, PyTorch's ``F.linear`` of bfloat16 tensors runs oneDNN's matmul and
 reorders the ``[out, in]`` weight into oneDNN's blocked layout on every call.
-A decode step of a small model is mostly such calls with a few rows each, and
-the reorder costs about as much as the product: single-threaded, the
-SmolLM2-135M layers' products with 2 rows took 19.5 ms a step through
-``F.linear`` against 11.6 ms with the weight packed once (an uncommitted
-microbenchmark; ``bench/decode_speed.py`` measures the served effect). SGLang's
+A decode step of a small model is mostly such calls with a few rows each
+(``python -m bench.decode_speed --unpacked-dense`` measures the served effect
+of packing once instead). SGLang's
 own CPU engine packs weights the same way for its ``sgl_kernel`` AMX path
 (``_amx_process_weight_after_loading`` in
 ``sglang/srt/layers/quantization/unquant.py``), which this platform cannot load.
@@ -42,14 +40,15 @@ log = logging.getLogger(__name__)
 #: Environment switch: "0" keeps every linear layer on ``F.linear``.
 PREPACK_ENV = "DD_SGLANG_CPU_PREPACK"
 #: Most rows (tokens: decode rows x query positions) a product takes through the pack; larger
-#: products (prefill chunks) keep ``F.linear``. On this project's 2-core CPU with 2 threads the pack
+#: products (prefill chunks) keep ``F.linear``. On the 2-core CPU this was written on, with 2 threads, the pack
 #: gave other bits than ``F.linear`` for some shapes from 300 rows up (576 x 576 weights), where
 #: oneDNN splits the work differently.
 PACK_MAX_ROWS = 32
 #: Row counts of the exactness probe: every count a packed product can take.
 PROBE_ROWS = tuple(range(1, PACK_MAX_ROWS + 1))
 #: oneDNN's batch-size hint for the packed layout. With 2, the packed product equalled ``F.linear``
-#: bit for bit up to 64 rows on this project's CPUs (1 and 2 threads); with 1 it did not from 64 up.
+#: bit for bit up to 64 rows on the machine this was written on (1 and 2 threads); with 1 it did
+#: not from 64 rows up. :func:`_exact` checks it wherever it runs.
 BATCH_HINT = 2
 _ATTR = "_dd_prepacked"
 _generation = 0
