@@ -407,6 +407,10 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     Raises:
         _Refused: any start-up check (nothing is started; the socket is bound only when all pass).
     """
+    from dd_sglang.platform.linear import PREPACK_ENV
+
+    if os.environ.get(PREPACK_ENV, "1") not in ("0", "1"):
+        raise _Refused(f"{PREPACK_ENV} must be 0 or 1, got {os.environ[PREPACK_ENV]!r}")
     model_path, served_name = _model(cfg, sglang_argv)
     from dd_sglang.platform import activate
 
