@@ -161,7 +161,11 @@ class PrefetchSection(_Strict):
     and repairs on the host: ``native``, the C kernel built at first use with the
     system compiler (``dd_sglang/kernels/cpu_select.c``; start-up fails where it
     cannot be built); ``torch``, PyTorch operations; ``auto``, ``native`` where it
-    builds, else ``torch`` (logged). Both choose the same sets. A
+    builds, else ``torch`` (logged). Both choose the same sets. ``sampling``:
+    ``coupled`` draws a sampled request's speculated token with the noise SGLang's
+    seeded sampler (``multinomial_with_seed``) then uses for the real token, so the
+    guess matches a sampled token about as often as a greedy one; ``independent``
+    leaves SGLang's sampling alone and speculates the argmax. A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.
     """
@@ -179,6 +183,7 @@ class PrefetchSection(_Strict):
     confident: float = Field(0.9, ge=0.0, le=1.0)
     real_query: Literal["never", "after_miss", "always"] = "never"
     kernel: Literal["auto", "native", "torch"] = "auto"
+    sampling: Literal["independent", "coupled"] = "independent"
 
 
 class DDConfig(_Strict):

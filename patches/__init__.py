@@ -29,6 +29,7 @@ MODULES = (
     "patches.mem_cache_registry",
     "patches.sampling_sampling_params",
     "patches.layers_logits_processor",
+    "patches.layers_sampler",
     "patches.managers_tokenizer_manager",
     "patches.managers_io_struct",
     "patches.entrypoints_http_server",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dd_sglang.attention.coupling import coupled_guesses
 from dd_sglang.prefetch.plan import StepPlan
 from dd_sglang.prefetch.runner import PrefetchEvents
 
@@ -50,7 +51,8 @@ def finish_step(output, forward_batch) -> None:
     Cuts the speculated positions' rows from ``output`` (``next_token_logits`` goes from
     ``[batch_size + n_spec, vocab]`` to ``[batch_size, vocab]``, hidden states alike),
     storing each one's two most likely next tokens and their probabilities in its request's
-    ``SpecState`` (``dual_token``), and reports the step's time. A no-op for batches this backend did not plan.
+    ``SpecState`` (``dual_token``; under coupled sampling, the token SGLang's seeded sampler will
+    draw, :mod:`dd_sglang.attention.coupling`), and reports the step's time. A no-op for batches this backend did not plan.
     """
     step = getattr(forward_batch, "dd_step", None)
     if not isinstance(step, DecodeStep):
@@ -61,9 +63,14 @@ def finish_step(output, forward_batch) -> None:
     if plan is not None and plan.spec_states and logits is not None:
         n, extra = plan.batch_size, len(plan.spec_states)
         if logits.shape[0] == n + extra:
-            top = torch.softmax(logits[n:].float(), dim=-1).topk(2, dim=-1)
-            for (state, i), p, t in zip(plan.spec_states, top.values.tolist(), top.indices.tolist(), strict=True):
-                state.top[i] = (t[0], p[0], t[1], p[1])
+            guesses = coupled_guesses(output, plan, forward_batch, n)
+            if guesses is not None:  # the draw the sampler will make: certain, no runner-up
+                for (state, i), g in zip(plan.spec_states, guesses, strict=True):
+                    state.top[i] = (g, 1.0, g, 0.0)
+            else:
+                top = torch.softmax(logits[n:].float(), dim=-1).topk(2, dim=-1)
+                for (state, i), p, t in zip(plan.spec_states, top.values.tolist(), top.indices.tolist(), strict=True):
+                    state.top[i] = (t[0], p[0], t[1], p[1])
             output.next_token_logits = logits[:n]
             hs = getattr(output, "hidden_states", None)
             if isinstance(hs, torch.Tensor) and hs.shape[0] == n + extra:

@@ -43,6 +43,9 @@ class PrefetchParams:
         kernel: ``spec_host``'s selection and the repairs on the host: ``native`` (the C
             kernel, :mod:`dd_sglang.kernels.native`), ``torch`` (PyTorch operations) or ``auto``
             (``native`` where it builds, else ``torch``).
+        sampling: ``coupled`` (a sampled request's speculated token is drawn with the noise
+            SGLang's seeded sampler then uses for its real token: :mod:`dd_sglang.attention.coupling`)
+            or ``independent`` (SGLang samples as it always does; the speculation is the argmax).
     """
 
     speculator: str = "dual_token"
@@ -58,3 +61,4 @@ class PrefetchParams:
     confident: float = 0.9
     real_query: str = "never"
     kernel: str = "auto"
+    sampling: str = "independent"

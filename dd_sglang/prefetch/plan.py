@@ -43,6 +43,7 @@ tensors. Building a plan:
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -208,6 +209,8 @@ class StepPlan:
         exact_rows: batch rows of the full rows whose columns cover positions ``[0, seq_len)``.
         exact_cols: per exact row, ``[seq_len]`` int64 (device): its ring columns in position
             order (module docstring, step 5).
+        seeds: per plan row, its request's sampling seed (``prefetch.sampling: coupled``,
+            :mod:`dd_sglang.attention.coupling`); empty otherwise.
     """
 
     rows: torch.Tensor
@@ -240,6 +243,7 @@ class StepPlan:
     started: float
     exact_rows: tuple[int, ...] = ()
     exact_cols: tuple[torch.Tensor, ...] = ()
+    seeds: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -284,6 +288,7 @@ class PlanInputs:
     hit_rate_sample: float
     rng: random.Random
     real_query: str = "never"
+    sampling: str = "independent"
 
 
 def _history(st, token: int) -> list[int]:
@@ -293,6 +298,18 @@ def _history(st, token: int) -> list[int]:
     if not ids or ids[-1] != token:
         ids.append(token)
     return ids
+
+
+def _seed(r: _Row) -> int:
+    """The row's sampling seed under coupled sampling, fixed at its first sparse step
+    (``SpecState.seed``): the request's ``sampling_seed`` (SGLang's field, any int64), else 63 bits
+    of a BLAKE2b hash of its request id (the same on every tensor-parallel rank)."""
+    spec = r.pred.spec
+    if spec.seed is None:
+        given = getattr(getattr(r.st.req, "sampling_params", None), "sampling_seed", None)
+        digest = hashlib.blake2b(str(r.st.rid).encode(), digest_size=8).digest()
+        spec.seed = int(given) if given is not None else int.from_bytes(digest, "little") >> 1
+    return spec.seed
 
 
 def _is_full(r: _Row) -> bool:
@@ -488,6 +505,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         started=started,
         exact_rows=tuple(rows[j].batch_row for j, _ in exact),
         exact_cols=tuple(c.to(dev) for _, c in exact),
+        seeds=tuple(_seed(r) for r in rows) if inp.sampling == "coupled" else (),
     )
 
 

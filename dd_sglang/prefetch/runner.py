@@ -225,6 +225,7 @@ class SparseStepRunner:
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
             real_query=params.real_query,
+            sampling=params.sampling,
         )
         self._exact = SELECTORS["oracle"]()
         self._repair_scorer = make_selector("spec_host", params.rerank, self.native)

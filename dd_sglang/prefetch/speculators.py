@@ -60,6 +60,8 @@ class SpecState:
         indexed: how many history tokens ``index`` covers.
         proposed, accepted: steps with a verifiable speculation, and those where a riding token
             equalled the real token.
+        seed: the request's sampling seed under ``prefetch.sampling: coupled`` (its own
+            ``sampling_seed``, else a hash of its request id, fixed at its first sparse step); None until then.
     """
 
     riding: tuple[int, ...] = ()
@@ -69,6 +71,7 @@ class SpecState:
     indexed: int = 0
     proposed: int = 0
     accepted: int = 0
+    seed: int | None = None
 
 
 def ngram_propose(history: Sequence[int], state: SpecState, max_n: int = NGRAM_MAX) -> int | None:
