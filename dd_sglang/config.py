@@ -183,7 +183,7 @@ class PrefetchSection(_Strict):
     confident: float = Field(0.9, ge=0.0, le=1.0)
     real_query: Literal["never", "after_miss", "always"] = "never"
     kernel: Literal["auto", "native", "torch"] = "auto"
-    sampling: Literal["independent", "coupled"] = "independent"
+    sampling: Literal["independent", "coupled"] = "coupled"
 
 
 class DDConfig(_Strict):

@@ -67,16 +67,42 @@ def test_same_seed_and_position_couple_nearby_distributions():
     assert (a == real.argmax(-1)).double().mean() < 0.9  # the draws are samples, not argmaxes
 
 
-def test_top_k_and_min_p_follow_sglangs_meaning():
-    """top_k keeps the k most likely tokens, min_p those at least min_p x the largest probability."""
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    one = torch.ones(1)
-    p = coupling.filtered_probs(logits, one, torch.tensor([2]), one, torch.zeros(1))
-    assert p[0].tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
-    p = coupling.filtered_probs(logits, one, torch.tensor([99]), one, torch.tensor([0.25]))
-    assert p[0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.0])
-    p = coupling.filtered_probs(logits, one, torch.tensor([99]), torch.tensor([0.75]), torch.zeros(1))
-    assert p[0].tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])  # 0.8 before the third token > 0.75
+@pytest.mark.parametrize("widths", [(1024,), (2,), (1, 2)])
+def test_kept_tokens_follow_sglangs_top_k_top_p_min_p(widths):
+    """top_k keeps the k most likely tokens, min_p those at least min_p x the largest probability,
+    top_p those whose preceding mass is at most top_p; with narrow ``widths`` the kept prefix runs past
+    the sorted part and a wider one (at last the whole vocabulary) is sorted."""
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    one, none = torch.ones(1), torch.zeros(1)
+
+    def kept(top_k, top_p, min_p):
+        p, ids = coupling.kept_sorted(probs, torch.tensor([top_k]), top_p, min_p, widths)
+        return {int(i): round(float(v), 6) for i, v in zip(ids[0], p[0], strict=True) if v > 0}
+
+    assert kept(2, one, none) == {1: 0.5, 3: 0.3}
+    assert kept(99, one, torch.tensor([0.25])) == {1: 0.5, 3: 0.3, 0: 0.15}
+    assert kept(99, torch.tensor([0.75]), none) == {1: 0.5, 3: 0.3}  # 0.8 before the third token > 0.75
+    assert kept(99, one, none) == {1: 0.5, 3: 0.3, 0: 0.15, 2: 0.05}
+
+
+def test_race_uniforms_are_splitmix64_outputs():
+    """The vectorised stream equals the reference SplitMix64 (unsigned 64-bit arithmetic) output
+    for output ``token + 1`` from the state of ``(seed, position)``, for seeds across the int64 range."""
+    mask = (1 << 64) - 1
+
+    def splitmix(state, i):
+        z = (state + i * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    for seed, pos in [(0, 0), (42, 4096), ((1 << 63) - 1, 7), (-5 & mask, 123456)]:
+        state = coupling.stream_base(seed, pos)
+        base = torch.tensor([[coupling._i64(state)]])
+        tokens = torch.tensor([[0, 1, 2, 49151, 123456]])
+        got = coupling.race_uniforms(base, tokens)[0].tolist()
+        want = [((splitmix(state, t + 1) >> 11) + 0.5) / (1 << 53) for t in tokens[0].tolist()]
+        assert got == want
 
 
 def test_sampler_hook_replaces_exactly_the_stashed_rows():

@@ -13,8 +13,8 @@ Gumbel-max coupling used in speculative decoding: Daliri, Musco and Suresh,
   tempered, top-k / top-p / min-p filtered distribution ``p`` (SGLang's
   sampling parameters and their meaning, ``sglang/srt/layers/sampler.py``), with
   ``E_i ~ Exp(1)`` (the exponential race, equal in law to Gumbel-max and to
-  ``torch.multinomial``) from a generator seeded by the request's seed and the
-  input token's position;
+  ``torch.multinomial``) from token ``i``'s output of a SplitMix64 stream keyed
+  by the request's seed and the input token's position;
 * the riding position's guess is the same draw from its own distribution, keyed
   by its own position, which is the position the real token has in the next
   step. When the riding token was right, both distributions are the same
@@ -48,39 +48,74 @@ _MASK64 = (1 << 64) - 1
 
 
 def _mix(x: int) -> int:
-    """SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number
+    """SplitMix64's output function (Steele, Lea and Flood, "Fast splittable pseudorandom number
     generators", OOPSLA 2014): a 64-bit bijection whose outputs for adjacent inputs are unrelated."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
     return x ^ (x >> 31)
 
 
-def race_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """``[vocab]`` float32 Exp(1) draws, a function of ``(seed, position)`` only (CPU generator)."""
-    g = torch.Generator().manual_seed(_mix((seed & _MASK64) ^ _mix(position & _MASK64)))
-    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=g)
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The distribution SGLang samples from: ``softmax(logits / T)`` with top-k, top-p and min-p applied.
+def _i64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def stream_base(seed: int, position: int) -> int:
+    """The 64-bit state of the noise stream of ``(seed, position)``."""
+    return _mix((_mix((position + _GAMMA) & _MASK64) ^ seed) & _MASK64)
+
+
+def race_uniforms(base: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) for the exponential race: the ``token``-th output of the SplitMix64 stream
+    whose state is ``base`` (``mix(base + (token + 1) x gamma)``), its top 53 bits as float64.
 
     Args:
-        logits: ``[m, vocab]``; temperature ``[m]`` (> 0); top_k ``[m]`` int (>= vocab: off);
-            top_p ``[m]`` in (0, 1] (1: off); min_p ``[m]`` in [0, 1] (0: off).
+        base: ``[m, 1]`` int64 bit patterns (:func:`stream_base`); tokens: ``[m, n]`` int64 ids.
 
     Returns:
-        ``[m, vocab]`` float32, unnormalised after filtering (zeros where filtered out): a token
-        is kept when its rank is below ``top_k``, the mass of the tokens ranked before it is at most
-        ``top_p``, and its probability is at least ``min_p`` times the largest.
+        ``[m, n]`` float64; int64 products wrap as the unsigned arithmetic of the reference.
     """
-    probs = torch.softmax(logits.float() / temperature.float().view(-1, 1), dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
-    drop = (rank >= top_k.view(-1, 1)) | ((torch.cumsum(sorted_p, dim=-1) - sorted_p) > top_p.float().view(-1, 1))
-    drop |= sorted_p < sorted_p[:, :1] * min_p.float().view(-1, 1)
-    return probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+    x = base + (tokens + 1) * _i64(_GAMMA)
+    x = (x ^ _srl(x, 30)) * _i64(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _i64(0x94D049BB133111EB)
+    x = x ^ _srl(x, 31)
+    return (_srl(x, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+def kept_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                widths: tuple[int, ...] = (1024, 8192)) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The tokens SGLang may sample: top-k, top-p and min-p applied.
+
+    A token is kept when its rank is below ``top_k``, the mass of the tokens ranked before it is at
+    most ``top_p`` and its probability is at least ``min_p`` times the largest (the kept tokens are a
+    prefix of the sorted order). With no filter on any row nothing is sorted; else the ``widths``
+    most likely are sorted in turn until the kept prefix ends inside them, then the whole vocabulary.
+
+    Args:
+        probs: ``[m, vocab]`` float32 probabilities; top_k ``[m]`` int (>= vocab: off); top_p
+            ``[m]`` in (0, 1] (1: off); min_p ``[m]`` in [0, 1] (0: off).
+
+    Returns:
+        ``(p [m, w], ids [m, w])``: probabilities (0 where not kept) and token ids, w <= vocab.
+    """
+    vocab = probs.shape[-1]
+    if bool(((top_k >= vocab) & (top_p >= 1.0) & (min_p <= 0.0)).all()):
+        return probs, torch.arange(vocab, device=probs.device).expand_as(probs)
+    for w in (*(w for w in widths if w < vocab), vocab):
+        sp, ids = probs.topk(w, dim=-1)
+        rank = torch.arange(w, device=probs.device).view(1, -1)
+        drop = (rank >= top_k.view(-1, 1)) | ((torch.cumsum(sp, dim=-1) - sp) > top_p.float().view(-1, 1))
+        drop |= sp < sp[:, :1] * min_p.float().view(-1, 1)
+        if w == vocab or bool(drop[:, -1].all()):
+            return sp.masked_fill(drop, 0.0), ids
+    raise AssertionError("unreachable: the last width is the vocabulary")
 
 
 def draw(logits: torch.Tensor, sampling_info, rows: torch.Tensor, seeds, positions) -> torch.Tensor:
@@ -94,14 +129,18 @@ def draw(logits: torch.Tensor, sampling_info, rows: torch.Tensor, seeds, positio
         seeds, positions: ``m`` ints each (a request's seed; the input token's position).
 
     Returns:
-        ``[m]`` int64 token ids, ``argmax(p / E)`` with ``E`` = :func:`race_noise` ``(seed, position)``.
+        ``[m]`` int64 token ids: ``argmax(p_i / E_i)`` over the kept tokens, ``E_i = -log U_i``
+        with ``U_i`` = :func:`race_uniforms` of token ``i`` in the stream of ``(seed, position)``.
     """
-    dev = logits.device
-    r = rows.to(sampling_info.top_ks.device)
-    p = filtered_probs(logits, sampling_info.temperatures[r].view(-1), sampling_info.top_ks[r],
-                       sampling_info.top_ps[r], sampling_info.min_ps[r])  # fmt: skip
-    noise = torch.stack([race_noise(int(s), int(q), logits.shape[-1]) for s, q in zip(seeds, positions, strict=True)])
-    return (p / noise.to(dev)).argmax(dim=-1)
+    si = sampling_info
+    r = rows.to(si.top_ks.device)
+    probs = torch.softmax(logits.float() / si.temperatures[r].float().view(-1, 1), dim=-1)
+    p, ids = kept_sorted(probs, si.top_ks[r].to(probs.device), si.top_ps[r].to(probs.device),
+                         si.min_ps[r].to(probs.device))  # fmt: skip
+    base = torch.tensor([[_i64(stream_base(int(s) & _MASK64, int(q) & _MASK64))] for s, q in zip(seeds, positions, strict=True)],
+                        dtype=torch.int64, device=probs.device)  # fmt: skip
+    race = p.double() / -torch.log(race_uniforms(base, ids))
+    return ids.gather(1, race.argmax(dim=-1, keepdim=True)).view(-1)
 
 
 def _applies(forward_batch, si) -> bool:

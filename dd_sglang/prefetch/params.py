@@ -61,4 +61,4 @@ class PrefetchParams:
     confident: float = 0.9
     real_query: str = "never"
     kernel: str = "auto"
-    sampling: str = "independent"
+    sampling: str = "coupled"

@@ -288,7 +288,7 @@ class PlanInputs:
     hit_rate_sample: float
     rng: random.Random
     real_query: str = "never"
-    sampling: str = "independent"
+    sampling: str = "coupled"
 
 
 def _history(st, token: int) -> list[int]:

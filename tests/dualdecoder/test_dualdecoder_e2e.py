@@ -228,10 +228,11 @@ def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(d
     """miss_policy repair (per-request override): every layer of every step whose speculated token was
     rejected fetches repair_budget (32) missing tokens per KV head synchronously; nothing else does."""
     before = metrics(dd_server)
-    custom = {"dd_selector": "spec_host", "dd_speculator": "dual_token", "dd_miss_policy": "repair"}
-    lab = '{speculator="dual_token"}'
-    # High temperature makes some speculations fail, but a continuation that copies the prompt (the pass
-    # key, then its sentence again) can be guessed right at every step: further seeds until one fails.
+    custom = {"dd_selector": "spec_host", "dd_speculator": "ngram", "dd_miss_policy": "repair"}
+    lab = '{speculator="ngram"}'
+    # Prompt lookup guesses a high-temperature sample wrongly on some steps, but a continuation that copies
+    # the prompt (the pass key, then its sentence again) can be guessed right at every step: further seeds
+    # until one fails. (dual_token's guess under coupled sampling is the sampled token on most steps.)
     for seed in (7, 8, 9, 10):
         sampling = {"temperature": 1.5, "sampling_seed": seed, "max_new_tokens": 24, "ignore_eos": True}
         r = httpx.post(f"{dd_server.url}/generate", timeout=600,
@@ -248,6 +249,33 @@ def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(d
     assert repairs == rejected * N_LAYERS
     assert delta(after, before, "dd_prefetch_repaired_tokens_total") == repairs * 3 * 32
     assert delta(after, before, 'dd_prefetch_misses_total{policy="use_prefetched"}') == 0
+
+
+def test_coupled_sampling_draws_with_the_seed_and_guesses_the_sampled_token(dd_server, combo_prompt):
+    """prefetch.sampling: coupled (the preset's default): a sampled sparse request's tokens are drawn
+    from SGLang's distribution with noise keyed by its sampling_seed and position, so one seed gives
+    the same tokens twice and another seed others (SGLang's own sampler ignores the seed without
+    --enable-deterministic-inference); the riding position draws the next token with the same noise,
+    so at temperature 1 the guess is the sampled token on most steps."""
+    custom = {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
+    lab = '{speculator="dual_token"}'
+
+    def run(seed):
+        before = metrics(dd_server)
+        sampling = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": seed, "max_new_tokens": 32,
+                    "ignore_eos": True, "custom_params": custom}  # fmt: skip
+        r = httpx.post(f"{dd_server.url}/generate", timeout=600,
+                       json={"input_ids": combo_prompt[1], "sampling_params": sampling})  # fmt: skip
+        assert r.status_code == 200, r.text
+        after = metrics(dd_server)
+        proposed = delta(after, before, f"dd_spec_proposed_total{lab}")
+        return r.json()["output_ids"], proposed, delta(after, before, f"dd_spec_accepted_total{lab}")
+
+    first, proposed, accepted = run(1234)
+    again, _, _ = run(1234)
+    assert len(first) == 32 and first == again
+    assert any(run(seed)[0] != first for seed in (1235, 1236))
+    assert proposed >= 25 and accepted >= 0.8 * proposed, (proposed, accepted)
 
 
 @contextlib.contextmanager
