@@ -251,31 +251,27 @@ def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(d
     assert delta(after, before, 'dd_prefetch_misses_total{policy="use_prefetched"}') == 0
 
 
-def test_coupled_sampling_draws_with_the_seed_and_guesses_the_sampled_token(dd_server, combo_prompt):
-    """prefetch.sampling: coupled (the preset's default): a sampled sparse request's tokens are drawn
-    from SGLang's distribution with noise keyed by its sampling_seed and position, so one seed gives
-    the same tokens twice and another seed others (SGLang's own sampler ignores the seed without
-    --enable-deterministic-inference); the riding position draws the next token with the same noise,
-    so at temperature 1 the guess is the sampled token on most steps."""
+def test_coupled_sampling_guesses_the_sampled_token(dd_server, combo_prompt):
+    """prefetch.sampling: coupled (the preset's default): a sampled sparse request's token is drawn with
+    noise keyed by its sampling_seed and position, and the riding position draws the next token with
+    the same noise, so at temperature 1 the guess is the sampled token on most steps (the argmax guess
+    is right only where the sample is the argmax). Different seeds still sample different tokens."""
     custom = {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
     lab = '{speculator="dual_token"}'
-
-    def run(seed):
-        before = metrics(dd_server)
+    outputs = []
+    before = metrics(dd_server)
+    for seed in (1234, 1235):
         sampling = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": seed, "max_new_tokens": 32,
                     "ignore_eos": True, "custom_params": custom}  # fmt: skip
         r = httpx.post(f"{dd_server.url}/generate", timeout=600,
                        json={"input_ids": combo_prompt[1], "sampling_params": sampling})  # fmt: skip
         assert r.status_code == 200, r.text
-        after = metrics(dd_server)
-        proposed = delta(after, before, f"dd_spec_proposed_total{lab}")
-        return r.json()["output_ids"], proposed, delta(after, before, f"dd_spec_accepted_total{lab}")
-
-    first, proposed, accepted = run(1234)
-    again, _, _ = run(1234)
-    assert len(first) == 32 and first == again
-    assert any(run(seed)[0] != first for seed in (1235, 1236))
-    assert proposed >= 25 and accepted >= 0.8 * proposed, (proposed, accepted)
+        outputs.append(r.json()["output_ids"])
+    after = metrics(dd_server)
+    proposed = delta(after, before, f"dd_spec_proposed_total{lab}")
+    accepted = delta(after, before, f"dd_spec_accepted_total{lab}")
+    assert [len(o) for o in outputs] == [32, 32] and outputs[0] != outputs[1]
+    assert proposed >= 50 and accepted >= 0.8 * proposed, (proposed, accepted)
 
 
 @contextlib.contextmanager
