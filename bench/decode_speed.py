@@ -5,6 +5,7 @@ Usage::
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
                                  [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
                                  [--select-worker] [--torch-kernel] [--unpacked-dense]
+                                 [--temperature 0.8] [--independent-sampling]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -54,6 +55,13 @@ platform's prepacked bfloat16 linear layers off (``DD_SGLANG_CPU_PREPACK=0``,
 ``sglang_dense_unpacked``: ``packed_over_unpacked_dense`` is what packing gives
 SGLang's own dense path, ``sparse_over_unpacked_dense`` the sparse default over
 dense as it ran before packing.
+With ``--temperature T`` (> 0) every request samples (temperature T, top-p
+0.95, a fixed ``sampling_seed`` per prompt) instead of decoding greedily. With
+``--independent-sampling`` one more ``dualdecoder`` server runs the preset with
+``prefetch.sampling: independent`` (SGLang's own sampler, the argmax guess) and
+each cell's sparse default again there (``dualdecoder_sparse_independent``);
+``coupled_over_independent`` is the default's (coupled sampling's) tokens/s
+over it: what the coupled draw costs, less what its fewer repairs save.
 Ratios are sparse over dense measured in this run; absolute times on a shared
 CPU are noise. Nothing here is a pass/fail test.
 """
@@ -85,13 +93,17 @@ PHASES = ("plan", "select", "assemble", "attention")
 TPS = "decode_tokens_per_second"
 
 
-def run_batch(url: str, prompts: list[tuple[str, int]], new_tokens: int, custom: dict | None) -> dict:
-    """Send every prompt at once (streamed, greedy); passkeys found and decode tokens/s."""
+def run_batch(url: str, prompts: list[tuple[str, int]], new_tokens: int, custom: dict | None,
+              temperature: float = 0.0) -> dict:  # fmt: skip
+    """Send every prompt at once (streamed; greedy, or sampled at ``temperature`` with top-p 0.95 and the
+    passkey as ``sampling_seed``); passkeys found and decode tokens/s."""
     results: list[dict] = [{} for _ in prompts]
 
     def one(i: int, prompt: str, key: int) -> None:
-        body = {"model": "x", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+        body = {"model": "x", "prompt": prompt, "max_tokens": new_tokens, "temperature": temperature, "stream": True,
                 "ignore_eos": True}  # fmt: skip
+        if temperature > 0:
+            body.update(top_p=0.95, sampling_seed=key)
         if custom:
             body["custom_params"] = custom
         times, text = [], ""
@@ -151,6 +163,7 @@ RATIOS = (
     ("native_over_torch_kernel", "dualdecoder_sparse", "dualdecoder_sparse_torch_kernel"),
     ("sparse_over_unpacked_dense", "dualdecoder_sparse", "sglang_dense_unpacked"),
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
+    ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
 )
 
 
@@ -192,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                          "(DD_SGLANG_CPU_PREPACK=0): sglang_dense_unpacked")  # fmt: skip
     ap.add_argument("--torch-kernel", action="store_true",
                     help="also run the sparse default on a server with prefetch.kernel: torch (no C kernel)")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every request at this temperature (top-p 0.95, seeded); 0: greedy")  # fmt: skip
+    ap.add_argument("--independent-sampling", action="store_true",
+                    help="also run the sparse default on a server with prefetch.sampling: independent")  # fmt: skip
     args = ap.parse_args(argv)
+    if not 0.0 <= args.temperature <= 2.0:
+        ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup_tokens < 0:
@@ -246,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "torch_kernel.yaml").write_text(yaml.safe_dump(preset))
         servers["torch_kernel"] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "torch_kernel.yaml")],
                                    [("dualdecoder_sparse_torch_kernel", {}, "sparse")])  # fmt: skip
+    if args.independent_sampling:
+        preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+        preset.setdefault("prefetch", {})["sampling"] = "independent"
+        (tmp / "independent.yaml").write_text(yaml.safe_dump(preset))
+        servers["independent"] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "independent.yaml")],
+                                  [("dualdecoder_sparse_independent", {}, "sparse")])  # fmt: skip
     started: dict[str, object] = {}
     try:
         for backend, (flags, _) in servers.items():
@@ -255,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup_tokens > 0:
             for c in cells:
                 for backend, (key, custom, _) in order:
-                    run_batch(started[backend].url, c["prompts"], args.warmup_tokens, custom)
+                    run_batch(started[backend].url, c["prompts"], args.warmup_tokens, custom, args.temperature)
                     print(f"warm-up {c['context']}x{c['batch']} {key}", flush=True)
         rounds: dict[str, dict[str, list[dict]]] = {k: {} for k in results}
         for i in range(args.rounds):
@@ -264,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 for backend, (key, custom, kind) in order[i % len(order) :] + order[: i % len(order)]:
                     srv = started[backend]
                     before = scrape(srv.metrics_url) if kind else None
-                    r = run_batch(srv.url, c["prompts"], args.new_tokens, custom)
+                    r = run_batch(srv.url, c["prompts"], args.new_tokens, custom, args.temperature)
                     if kind:
                         time.sleep(0.5)
                         r["breakdown"] = breakdown(before, scrape(srv.metrics_url), kind)
@@ -294,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "dtype": srv.dtype,
         "new_tokens": args.new_tokens,
+        "temperature": args.temperature,
         "cells": list(results.values()),
     }
     write_result(result, args.out)
@@ -302,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['context']} x {r['batch']}: sparse/sglang-dense {r['sparse_over_sglang_dense']:.2f}x, "
               f"sparse/dense same server {r['sparse_over_dense_same_server']:.2f}x, passkeys "
               f"{sp['found']}/{sp['total']} sparse, {dn['found']}/{dn['total']} dense (all rounds)")  # fmt: skip
+        if "coupled_over_independent" in r:
+            print(f"    coupled/independent sampling {r['coupled_over_independent']:.2f}x")
         if "packed_over_unpacked_dense" in r:
             print(f"    packed/unpacked SGLang dense {r['packed_over_unpacked_dense']:.2f}x, "
                   f"sparse/unpacked dense {r['sparse_over_unpacked_dense']:.2f}x")  # fmt: skip

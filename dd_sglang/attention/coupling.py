@@ -39,7 +39,11 @@ which no registry has, hence this draw.)
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: Attribute of SGLang's ``LogitsProcessorOutput`` carrying the coupled rows from
 #: :func:`coupled_guesses` to :func:`sample`: ``(rows [m] int64, seeds, positions)``.
@@ -194,15 +198,16 @@ def sample(original, sampler, logits_output, sampling_info, *args, **kwargs):
     the batch as usual (its tokens for every other row stand) and the coupled rows' tokens replace
     its own. Calls without a stash run ``original`` untouched.
 
-    Raises:
-        RuntimeError: a stash on a call that returns logprobs (their tokens would not match).
+    A stash on a call that returns logprobs (which :func:`coupled_guesses` never leaves: the
+    logprobs would be of SGLang's tokens) is dropped with a warning and SGLang's tokens stand.
     """
     stash = getattr(logits_output, _ATTR, None)
     if stash is None:
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     setattr(logits_output, _ATTR, None)
-    if (args[0] if args else kwargs.get("return_logprob")):
-        raise RuntimeError("coupled sampling was planned for a step that returns logprobs")
+    if args[0] if args else kwargs.get("return_logprob"):
+        logger.warning("coupled sampling skipped on a step that returns logprobs; SGLang's tokens stand")
+        return original(sampler, logits_output, sampling_info, *args, **kwargs)
     rows, seeds, positions = stash
     logits = logits_output.next_token_logits
     ours = draw(logits[rows.to(logits.device)], sampling_info, rows, seeds, positions)
