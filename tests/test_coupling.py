@@ -150,3 +150,21 @@ def test_coupled_guesses_stash_the_sampled_sparse_rows_and_draw_the_riding_ones(
         setattr(info, field, _info(1).__dict__[field])
     fb.return_logprob = True
     assert coupling.coupled_guesses(SimpleNamespace(next_token_logits=logits), plan, fb, 4) is None
+
+
+def test_each_request_gets_its_own_seed_and_keeps_it():
+    """The ``n`` samples of one request share a sampling_seed but not a request id: their seeds differ
+    (independent draws); a request keeps the seed of its first sparse step."""
+    from dd_sglang.prefetch.plan import _seed
+    from dd_sglang.prefetch.speculators import SpecState
+
+    def row(rid, seed):
+        req = SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=seed))
+        return SimpleNamespace(pred=SimpleNamespace(spec=SpecState()), st=SimpleNamespace(rid=rid, req=req))
+
+    a, b, c = row("r-1", 7), row("r-2", 7), row("r-1", 7)
+    seeds = [_seed(a), _seed(b), _seed(c)]
+    assert seeds[0] != seeds[1] and seeds[0] == seeds[2] and all(0 <= x < 2**63 for x in seeds)
+    assert _seed(row("r-1", 8)) != seeds[0] and _seed(row("r-1", None)) != seeds[0]
+    a.st.req.sampling_params.sampling_seed = 99  # fixed at the first sparse step
+    assert _seed(a) == seeds[0]

@@ -14,7 +14,8 @@ Gumbel-max coupling used in speculative decoding: Daliri, Musco and Suresh,
   sampling parameters and their meaning, ``sglang/srt/layers/sampler.py``), with
   ``E_i ~ Exp(1)`` (the exponential race, equal in law to Gumbel-max and to
   ``torch.multinomial``) from token ``i``'s output of a SplitMix64 stream keyed
-  by the request's seed and the input token's position;
+  by the request's seed (a hash of its request id and ``sampling_seed``) and the
+  input token's position;
 * the riding position's guess is the same draw from its own distribution, keyed
   by its own position, which is the position the real token has in the next
   step. When the riding token was right, both distributions are the same

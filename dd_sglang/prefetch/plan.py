@@ -302,13 +302,14 @@ def _history(st, token: int) -> list[int]:
 
 def _seed(r: _Row) -> int:
     """The row's sampling seed under coupled sampling, fixed at its first sparse step
-    (``SpecState.seed``): the request's ``sampling_seed`` (SGLang's field, any int64), else 63 bits
-    of a BLAKE2b hash of its request id (the same on every tensor-parallel rank)."""
+    (``SpecState.seed``): 63 bits of a BLAKE2b hash of the request id and its ``sampling_seed``
+    (the same on every tensor-parallel rank; distinct for the ``n`` samples of one request, which
+    share a ``sampling_seed`` but not a request id, so their draws stay independent)."""
     spec = r.pred.spec
     if spec.seed is None:
         given = getattr(getattr(r.st.req, "sampling_params", None), "sampling_seed", None)
-        digest = hashlib.blake2b(str(r.st.rid).encode(), digest_size=8).digest()
-        spec.seed = int(given) if given is not None else int.from_bytes(digest, "little") >> 1
+        digest = hashlib.blake2b(f"{r.st.rid}/{given}".encode(), digest_size=8).digest()
+        spec.seed = int.from_bytes(digest, "little") >> 1
     return spec.seed
 
 

@@ -60,8 +60,8 @@ class SpecState:
         indexed: how many history tokens ``index`` covers.
         proposed, accepted: steps with a verifiable speculation, and those where a riding token
             equalled the real token.
-        seed: the request's sampling seed under ``prefetch.sampling: coupled`` (its own
-            ``sampling_seed``, else a hash of its request id, fixed at its first sparse step); None until then.
+        seed: the request's sampling seed under ``prefetch.sampling: coupled`` (a hash of its request
+            id and ``sampling_seed``, fixed at its first sparse step); None until then.
     """
 
     riding: tuple[int, ...] = ()

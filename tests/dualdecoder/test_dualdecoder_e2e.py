@@ -253,7 +253,7 @@ def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(d
 
 def test_coupled_sampling_guesses_the_sampled_token(dd_server, combo_prompt):
     """prefetch.sampling: coupled (the preset's default): a sampled sparse request's token is drawn with
-    noise keyed by its sampling_seed and position, and the riding position draws the next token with
+    noise keyed by its request (id and sampling_seed) and position, and the riding position draws the next token with
     the same noise, so at temperature 1 the guess is the sampled token on most steps (the argmax guess
     is right only where the sample is the argmax). Different seeds still sample different tokens."""
     custom = {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
