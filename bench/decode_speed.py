@@ -243,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         cells.append({"context": c, "batch": b, "prompts": prompts})
     tmp = Path(tempfile.mkdtemp(prefix="dd_speed_"))
     results = {f"{c['context']}x{c['batch']}": {"context": c["context"], "batch": c["batch"]} for c in cells}
-    preset_worker = tmp / "select_worker.yaml"
     # Per server: its flags and its runs per cell (result key, custom_params, step kind timed or None).
     servers = {
         "torch_native": (["--attention-backend", "torch_native"], [("sglang_dense", None, None)]),
@@ -253,24 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
     if args.unpacked_dense:
         servers["unpacked"] = (["--attention-backend", "torch_native"], [("sglang_dense_unpacked", None, None)])
-    if args.select_worker:
-        preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-        preset.setdefault("prefetch", {})["select"] = "worker"
-        preset_worker.write_text(yaml.safe_dump(preset))
-        servers["select_worker"] = (["--attention-backend", "dualdecoder", "--dd-config", str(preset_worker)],
-                                    [("dualdecoder_sparse_select_worker", {}, "sparse")])  # fmt: skip
-    if args.torch_kernel:
-        preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-        preset.setdefault("prefetch", {})["kernel"] = "torch"
-        (tmp / "torch_kernel.yaml").write_text(yaml.safe_dump(preset))
-        servers["torch_kernel"] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "torch_kernel.yaml")],
-                                   [("dualdecoder_sparse_torch_kernel", {}, "sparse")])  # fmt: skip
-    if args.independent_sampling:
-        preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-        preset.setdefault("prefetch", {})["sampling"] = "independent"
-        (tmp / "independent.yaml").write_text(yaml.safe_dump(preset))
-        servers["independent"] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / "independent.yaml")],
-                                  [("dualdecoder_sparse_independent", {}, "sparse")])  # fmt: skip
+    # Variant servers: the preset with one prefetch key changed, each cell's sparse default run there.
+    variants = [("select_worker", "select", "worker", "dualdecoder_sparse_select_worker", args.select_worker),
+                ("torch_kernel", "kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
+                ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling)]  # fmt: skip
+    for backend, key, value, run_key, wanted in variants:
+        if wanted:
+            preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+            preset.setdefault("prefetch", {})[key] = value
+            (tmp / f"{backend}.yaml").write_text(yaml.safe_dump(preset))
+            servers[backend] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / f"{backend}.yaml")],
+                                [(run_key, {}, "sparse")])  # fmt: skip
     started: dict[str, object] = {}
     try:
         for backend, (flags, _) in servers.items():
