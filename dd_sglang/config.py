@@ -162,9 +162,10 @@ class PrefetchSection(_Strict):
     system compiler (``dd_sglang/kernels/cpu_select.c``; start-up fails where it
     cannot be built); ``torch``, PyTorch operations; ``auto``, ``native`` where it
     builds, else ``torch`` (logged). Both choose the same sets. ``sampling``:
-    ``coupled`` draws a sampled request's speculated token with the noise SGLang's
-    seeded sampler (``multinomial_with_seed``) then uses for the real token, so the
-    guess matches a sampled token about as often as a greedy one; ``independent``
+    ``coupled`` draws a sampled sparse request's real token and its speculated
+    successor with the same noise (an exponential race keyed by the request and the
+    position, ``dd_sglang/attention/coupling.py``), so the guess matches a sampled
+    token about as often as a greedy one; ``independent``
     leaves SGLang's sampling alone and speculates the argmax. A
     request may override ``speculator`` and ``miss_policy`` through
     ``custom_params.dd_speculator`` / ``dd_miss_policy``.

@@ -51,8 +51,8 @@ def finish_step(output, forward_batch) -> None:
     Cuts the speculated positions' rows from ``output`` (``next_token_logits`` goes from
     ``[batch_size + n_spec, vocab]`` to ``[batch_size, vocab]``, hidden states alike),
     storing each one's two most likely next tokens and their probabilities in its request's
-    ``SpecState`` (``dual_token``; under coupled sampling, the token SGLang's seeded sampler will
-    draw, :mod:`dd_sglang.attention.coupling`), and reports the step's time. A no-op for batches this backend did not plan.
+    ``SpecState`` (``dual_token``; under coupled sampling, the token the coupled draw will give if
+    the riding token was right, :mod:`dd_sglang.attention.coupling`), and reports the step's time. A no-op for batches this backend did not plan.
     """
     step = getattr(forward_batch, "dd_step", None)
     if not isinstance(step, DecodeStep):

@@ -43,8 +43,8 @@ class PrefetchParams:
         kernel: ``spec_host``'s selection and the repairs on the host: ``native`` (the C
             kernel, :mod:`dd_sglang.kernels.native`), ``torch`` (PyTorch operations) or ``auto``
             (``native`` where it builds, else ``torch``).
-        sampling: ``coupled`` (a sampled request's speculated token is drawn with the noise
-            SGLang's seeded sampler then uses for its real token: :mod:`dd_sglang.attention.coupling`)
+        sampling: ``coupled`` (a sampled sparse request's real token and its speculated successor
+            are drawn with the same noise: :mod:`dd_sglang.attention.coupling`)
             or ``independent`` (SGLang samples as it always does; the speculation is the argmax).
     """
 
