@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench.capacity import steady_decode
 from bench.ceiling import set_scores
 from bench.stats import mean_ci, wilson
 from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
@@ -99,3 +100,21 @@ def test_prediction_variants_are_parsed_and_checked_by_the_preset_schema():
                         ("a=branches:2,a=branches:1", "bad item"), ("x=typo:1", "typo")]:  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             parse_variants(bad)
+
+
+def test_steady_decode_counts_the_fullest_batch_and_skips_prefill_stalls():
+    # two waves of two requests (dense at a budget for 2): 0.1 s a token, a 5 s prefill between waves
+    wave = [0.0 + 0.1 * i for i in range(11)]
+    later = [6.0 + 0.1 * i for i in range(11)]
+    r = steady_decode([wave, wave, later, later])
+    assert r["steady_concurrency"] == 2
+    assert r["steady_gap_seconds"] == pytest.approx(0.1)
+    assert r["steady_decode_tokens_per_second"] == pytest.approx(20.0)
+    # staggered first tokens (prefills one after another) then 4 at once, 0.2 s a step: the gaps
+    # that hold a prefill (1 s) end before all 4 decode, or are rare, and the median ignores them
+    staggered = [[s] + [3.0 + 0.2 * i for i in range(20)] for s in (0.0, 1.0, 2.0, 2.9)]
+    r = steady_decode(staggered)
+    assert r["steady_concurrency"] == 4
+    assert r["steady_decode_tokens_per_second"] == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="two tokens"):
+        steady_decode([[1.0], []])
