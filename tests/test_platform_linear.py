@@ -79,6 +79,7 @@ def test_other_layers_keep_f_linear(monkeypatch):
 
 
 def test_a_pack_that_is_not_exact_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(linear, "_probed", {})
     monkeypatch.setattr(linear, "_exact", lambda *a: False)
     with torch.inference_mode():
         assert linear.packed_linear(_Layer(64, 128), torch.randn(2, 128).bfloat16(), None) is None
@@ -90,3 +91,24 @@ def test_the_environment_switch_turns_packing_off(monkeypatch):
     assert linear.prepack_enabled() is False
     monkeypatch.setenv(linear.PREPACK_ENV, "1")
     assert linear.prepack_enabled() is True
+
+
+def test_the_probe_runs_once_per_shape_bias_and_threads(monkeypatch):
+    monkeypatch.setattr(linear, "_probed", {})
+    calls = []
+    real = linear._exact
+    monkeypatch.setattr(linear, "_exact", lambda w, p, b: calls.append((tuple(w.shape), b is None)) or real(w, p, b))
+    x = torch.randn(3, 128).bfloat16()
+    with torch.inference_mode():
+        for seed in range(3):  # three weights of one shape: one probe, every product still exact
+            layer = _Layer(64, 128, seed=seed)
+            assert torch.equal(linear.packed_linear(layer, x, None), F.linear(x, layer.weight))
+        bias = torch.randn(64).bfloat16()
+        assert torch.equal(linear.packed_linear(_Layer(64, 128, seed=5), x, bias), F.linear(x, _Layer(64, 128, seed=5).weight, bias))
+        assert linear.packed_linear(_Layer(32, 128), x, None) is not None
+    assert calls == [((64, 128), True), ((64, 128), False), ((32, 128), True)]
+    # a failed probe keeps F.linear for every weight of that kind, without probing again
+    monkeypatch.setattr(linear, "_probed", {((16, 128), False, torch.get_num_threads()): False})
+    with torch.inference_mode():
+        assert linear.packed_linear(_Layer(16, 128), x, None) is None
+    assert len(calls) == 3

@@ -16,7 +16,13 @@ on it, for products of at most :data:`PACK_MAX_ROWS` rows (decode steps; prefill
 keeps ``F.linear``). A pack is used only where it is exact: before first use it
 must give the same bits as ``F.linear`` on probe inputs of every row count it
 may take (with the layer's bias, on the threads the process uses); a weight
-that fails keeps ``F.linear`` (logged). Packs are
+that fails keeps ``F.linear`` (logged). The probe runs once per weight shape,
+bias or none and thread count (:data:`_probed`), on the first weight of that
+kind, and its verdict holds for the others: whether two products give the same
+bits is a property of the code paths oneDNN and PyTorch choose, which follow
+the shapes, dtypes and threads, not the weights' values (SmolLM2's 121 linear
+weights have 5 shapes: the start-up's first forward probes 5 of them, ~0.9 s
+on 2 cores, instead of 121, ~9 s). Packs are
 dropped after each of SGLang's weight updates (:func:`invalidate_packs`, hooked
 in ``patches/managers_scheduler_components_weight_updater.py``: their loaders
 write through ``param.data``, which no version counter sees) and when a
@@ -51,6 +57,8 @@ PROBE_ROWS = tuple(range(1, PACK_MAX_ROWS + 1))
 #: not from 64 rows up. :func:`_exact` checks it wherever it runs.
 BATCH_HINT = 2
 _ATTR = "_dd_prepacked"
+#: (weight shape, has bias, threads) -> whether the pack of the first such weight was exact (:func:`_pack`).
+_probed: dict[tuple, bool] = {}
 _generation = 0
 _logged = False
 
@@ -89,10 +97,15 @@ def _exact(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """oneDNN's packed copy of ``weight`` (``[out, in]`` bfloat16), or None where it is not exact."""
+    """oneDNN's packed copy of ``weight`` (``[out, in]`` bfloat16), or None where it is not exact
+    (probed once per shape, bias or none and thread count: module docstring)."""
     global _logged
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-    if _exact(weight, packed, bias):
+    kind = (tuple(weight.shape), bias is not None, torch.get_num_threads())
+    exact = _probed.get(kind)
+    if exact is None:
+        exact = _probed[kind] = _exact(weight, packed, bias)
+    if exact:
         if not _logged:
             _logged = True
             log.info("dd_sglang: bf16 linear weights packed in oneDNN's layout on first use (%s=0 turns it off)",
