@@ -15,7 +15,9 @@ every 0.2 s. Recorded per backend:
 * ``peak_concurrent_decoding``: most requests decoding at once (dense: the
   ``DENSE`` running batch; dualdecoder: ``DECODE_SPARSE``);
 * ``wall_seconds`` from the first send to the last answer, and
-  ``output_tokens_per_second`` = all generated tokens / wall;
+  ``output_tokens_per_second`` = all generated tokens / wall (``output_tokens``: each
+  request's ``usage.completion_tokens``, streamed with ``include_usage``; text chunks,
+  ``streamed_chunks``, can be fewer: a token whose text is held back arrives with the next);
 * ``decode_tokens_per_second``: generated tokens after each request's first
   one, divided by the time from the first first-token to the last answer;
 * ``steady_decode_tokens_per_second``: what the server delivers while its
@@ -101,20 +103,23 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
         first = None
         text = ""
         payload = {"model": "x", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
-                   "stream": True, "ignore_eos": True}  # fmt: skip
+                   "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
         n = 0
         times = []
+        usage = None
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=payload, timeout=3600) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])["choices"][0]["text"]
+                    data = json.loads(line[6:])
+                    usage = data.get("usage") or usage
+                    chunk = data["choices"][0]["text"] if data.get("choices") else ""
                     if chunk:
                         n += 1
                         text += chunk
                         times.append(time.monotonic())
                         first = first or times[-1]
         results[i] = {"passkey": key, "answer": text[:40], "found": bool(re.match(rf"\s*{key}\b", text)),
-                      "chunks": n, "start": t0, "first_token": first, "end": time.monotonic(),
+                      "chunks": n, "tokens": usage["completion_tokens"] if usage else n, "start": t0, "first_token": first, "end": time.monotonic(),
                       "times": times}  # fmt: skip
 
     try:
@@ -137,7 +142,7 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
         print(f"{spec}: server log kept in {log}", file=sys.stderr)
     state = "DECODE_SPARSE" if backend == "dualdecoder" else "DENSE"
     key = f'dd_dualpath_requests{{state="{state}"}}'
-    tokens = sum(r["chunks"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
     first = min(r["first_token"] for r in results)
     end = max(r["end"] for r in results)
     return {
@@ -154,6 +159,7 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
         "peak_host_tier_used_bytes": int(max(s.get("dd_host_tier_used_bytes", 0) for _, s in samples)),
         "wall_seconds": round(wall, 2),
         "output_tokens": tokens,
+        "streamed_chunks": sum(r["chunks"] for r in results),
         "output_tokens_per_second": round(tokens / wall, 3),
         "decode_tokens_per_second": round((tokens - len(results)) / (end - first), 3),
         **steady_decode([r["times"] for r in results]),
