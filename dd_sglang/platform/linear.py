@@ -21,8 +21,9 @@ bias or none and thread count (:data:`_probed`), on the first weight of that
 kind, and its verdict holds for the others: whether two products give the same
 bits is a property of the code paths oneDNN and PyTorch choose, which follow
 the shapes, dtypes and threads, not the weights' values (SmolLM2's 121 linear
-weights have 5 shapes: the start-up's first forward probes 5 of them, ~0.9 s
-on 2 cores, instead of 121, ~9 s). Packs are
+weights have 5 shapes: the start-up's first forward probes 5 of them, not
+121; on 2 cores the probes of one weight per shape took ~0.9 s against ~9 s
+estimated for all 121, and a server's first forward ~1 s against ~4 s). Packs are
 dropped after each of SGLang's weight updates (:func:`invalidate_packs`, hooked
 in ``patches/managers_scheduler_components_weight_updater.py``: their loaders
 write through ``param.data``, which no version counter sees) and when a
