@@ -5,7 +5,7 @@ Usage::
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
                                  [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
                                  [--select-worker] [--torch-kernel] [--unpacked-dense]
-                                 [--temperature 0.8] [--independent-sampling]
+                                 [--temperature 0.8] [--independent-sampling] [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -62,6 +62,10 @@ With ``--temperature T`` (> 0) every request samples (temperature T, top-p
 each cell's sparse default again there (``dualdecoder_sparse_independent``);
 ``coupled_over_independent`` is the default's (coupled sampling's) tokens/s
 over it: what the coupled draw costs, less what its fewer repairs save.
+With ``--selectors A,B`` each named selector also runs on the ``dualdecoder``
+server, per request (``custom_params.dd_selector``, the preset's speculator),
+as ``dualdecoder_sparse_A``, with ``A_over_sglang_dense`` and
+``A_over_sparse_default`` (its tokens/s over the default's, same server).
 Ratios are sparse over dense measured in this run; absolute times on a shared
 CPU are noise. Nothing here is a pass/fail test.
 """
@@ -209,7 +213,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="sample every request at this temperature (top-p 0.95, seeded); 0: greedy")  # fmt: skip
     ap.add_argument("--independent-sampling", action="store_true",
                     help="also run the sparse default on a server with prefetch.sampling: independent")  # fmt: skip
+    ap.add_argument("--selectors", default="",
+                    help="comma list of further selectors run on the dualdecoder server per request "
+                         "(custom_params.dd_selector), e.g. host_sync")  # fmt: skip
     args = ap.parse_args(argv)
+    from dd_sglang.prefetch.selectors import SELECTORS
+
+    extra = [x for x in args.selectors.split(",") if x]
+    if any(x not in SELECTORS for x in extra):
+        ap.error(f"--selectors must name selectors of {sorted(SELECTORS)}, got {args.selectors!r}")
+    ratios = RATIOS + tuple(r for x in extra for r in ((f"{x}_over_sglang_dense", f"dualdecoder_sparse_{x}", "sglang_dense"),
+                                                           (f"{x}_over_sparse_default", f"dualdecoder_sparse_{x}",
+                                                            "dualdecoder_sparse")))  # fmt: skip
     if not 0.0 <= args.temperature <= 2.0:
         ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.rounds < 1:
@@ -249,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "dualdecoder": (["--attention-backend", "dualdecoder"],
                         [("dualdecoder_dense", {"dd_sparse": False}, "dense"), ("dualdecoder_sparse", {}, "sparse")]),
     }  # fmt: skip
+    servers["dualdecoder"][1].extend((f"dualdecoder_sparse_{x}", {"dd_selector": x}, "sparse") for x in extra)
     envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
     if args.unpacked_dense:
         servers["unpacked"] = (["--attention-backend", "torch_native"], [("sglang_dense_unpacked", None, None)])
@@ -298,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell, by_key in rounds.items():
         for key, runs in by_key.items():
             results[cell][key] = summarize(runs)
-        for name, num, den in RATIOS:
+        for name, num, den in ratios:
             if num in by_key and den in by_key:
                 per = [a[TPS] / b[TPS] for a, b in zip(by_key[num], by_key[den], strict=True)]
                 results[cell][name] = statistics.median(per)
@@ -320,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['context']} x {r['batch']}: sparse/sglang-dense {r['sparse_over_sglang_dense']:.2f}x, "
               f"sparse/dense same server {r['sparse_over_dense_same_server']:.2f}x, passkeys "
               f"{sp['found']}/{sp['total']} sparse, {dn['found']}/{dn['total']} dense (all rounds)")  # fmt: skip
+        for x in extra:
+            print(f"    {x}: {r[x + '_over_sglang_dense']:.2f}x sglang dense, "
+                  f"{r[x + '_over_sparse_default']:.2f}x the sparse default, passkeys "
+                  f"{r['dualdecoder_sparse_' + x]['found']}/{r['dualdecoder_sparse_' + x]['total']}")  # fmt: skip
         if "coupled_over_independent" in r:
             print(f"    coupled/independent sampling {r['coupled_over_independent']:.2f}x")
         if "packed_over_unpacked_dense" in r:

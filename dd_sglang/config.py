@@ -113,7 +113,7 @@ class SparseSection(_Strict):
     keep_signal: Literal["key_norm"] = "key_norm"
     page_size: int = Field(64, ge=1, le=65_536)
     host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
-    selector: Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency"] = "spec_host"
+    selector: Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency", "host_sync"] = "spec_host"
 
     @field_validator("page_size")
     @classmethod

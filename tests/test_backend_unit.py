@@ -262,6 +262,42 @@ def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query(
 
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel):
+    """``host_sync``: no token rides; each layer's set is ``spec_host``'s scoring (int8 host index,
+    exact re-ranking of the best 2 x k) of the *current* query, chosen at attention time, and the
+    output is attention over it and the resident set. The set is close to the exact top-k."""
+    from dd_sglang.prefetch.selectors import SpecHostSelector
+
+    h = Harness(_kernel_params(kernel), top_k=24, selector="host_sync")
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)  # prompt lookup would propose a token
+    plans = []
+    for _ in range(2):
+        cand = h.st.host_candidates()
+        resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
+        runner = h.backend._runner_for(h.rt)
+        real_plan = runner.plan
+        runner.plan = lambda fb, rt, real_plan=real_plan: plans.append(real_plan(fb, rt)) or plans[-1]
+        fb, qs, outs = h.step()
+        runner.plan = real_plan
+        plan = plans[-1]
+        assert fb.input_ids.numel() == 1 and not plan.ahead and len(plan.sync) == 1
+        assert plan.repair_rows.numel() == 0 and h.events.cold_n == 0
+        g = plan.sync[0]
+        ref = SpecHostSelector(2.0, native=kernel == "native")
+        overlap = []
+        for i in range(LAYERS):
+            q = qs[i][0][0]
+            pos, _ = ref.select(q[None].float(), g.blocks, runner.host.k[i], 24, SCALE, runner.index("host"), i)
+            chosen = [set(pos[0, kv].tolist()) for kv in range(HKV)]
+            sets = [c | resident for c in chosen]
+            torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
+                                       atol=1e-4, rtol=1e-4)  # fmt: skip
+            top = _topk_sets(q, h.k_all[i], cand, 24)
+            overlap += [len(c & t) / 24 for c, t in zip(chosen, top, strict=True)]
+        assert sum(overlap) / len(overlap) >= 0.9, overlap
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("select,chunk", [("inline", 10), ("inline", 1), ("worker", 10)])
 def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select, chunk, kernel,
                                                                                    monkeypatch):  # fmt: skip

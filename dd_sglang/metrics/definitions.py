@@ -173,7 +173,7 @@ LAYER_RING_BUFFER_BYTES = Gauge(
 SELECTOR_AUX_BYTES = Gauge(
     "dd_selector_aux_bytes",
     "Device bytes kept only to choose critical sets (auxiliary state), by selector: quest_device's key-block "
-    "summaries; 0 for spec_host (its index is in host memory), spec_host_exact, recency and oracle.",
+    "summaries; 0 for spec_host and host_sync (their index is in host memory), spec_host_exact, recency and oracle.",
     ["selector"],
     multiprocess_mode="livesum",
 )
@@ -247,7 +247,7 @@ LABEL_VALUES = {
     "state": "DualPath state: " + ", ".join(DUALPATH_STATES),
     "from": "DualPath state the request left: " + ", ".join(DUALPATH_STATES),
     "to": "DualPath state the request entered: " + ", ".join(DUALPATH_STATES),
-    "selector": "critical-set selector: oracle, spec_host, spec_host_exact, quest_device, recency",
+    "selector": "critical-set selector: oracle, spec_host, spec_host_exact, quest_device, recency, host_sync",
     "speculator": "speculator: dual_token, ngram, none (selectors other than spec_host read no speculated "
     "token and count under none)",
     "policy": "miss policy: use_prefetched, repair",

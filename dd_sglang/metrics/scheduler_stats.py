@@ -139,7 +139,7 @@ class SchedulerMetrics:
         m.CRITICAL_SET_BUFFER_BYTES.set(h["critical_buffer_bytes"] if h else 0)
         m.LAYER_RING_BUFFER_BYTES.set(h["ring_buffer_bytes"] if h else 0)
         aux = h["selector_aux_bytes"] if h else {}
-        for sel in ("oracle", "spec_host", "spec_host_exact", "quest_device", "recency"):
+        for sel in ("oracle", "spec_host", "spec_host_exact", "quest_device", "recency", "host_sync"):
             m.SELECTOR_AUX_BYTES.labels(selector=sel).set(aux.get(sel, 0))
         m.HOST_INDEX_BYTES.set(h["host_index_bytes"] if h else 0)
         if snap.cuda_allocated_bytes is not None:

@@ -51,7 +51,7 @@ SPECULATORS = ["dual_token", "ngram", "none"]
 #: speculated query (spec_host, spec_host_exact); the others get the preset's, which they ignore.
 PAIRS = [("spec_host", s) for s in SPECULATORS] + [
     ("spec_host_exact", "dual_token"), ("recency", "dual_token"), ("quest_device", "dual_token"),
-    ("oracle", "dual_token"),
+    ("oracle", "dual_token"), ("host_sync", "dual_token"),
 ]  # fmt: skip
 USES_SPECULATOR = ("spec_host", "spec_host_exact")
 
@@ -337,7 +337,7 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
         (
             {"dd_selector": "psychic"},
             "custom_params.dd_selector must be one of "
-            "['spec_host', 'spec_host_exact', 'oracle', 'recency', 'quest_device']",
+            "['spec_host', 'spec_host_exact', 'oracle', 'recency', 'quest_device', 'host_sync']",
         ),
         (
             {"dd_speculator": "oracle"},
