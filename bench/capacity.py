@@ -10,7 +10,9 @@ in one run: start a dd_sglang server whose device KV pool holds ``--max-total-to
 tokens (8,400: two ~4k dense requests; ``:room``: every request at once, the dense
 path given the memory the sparse path saves), send ``--requests`` distinct ~4k-token passkey prompts
 at once (greedy, ``--new-tokens`` each, ``ignore_eos``), and sample the sidecar
-every 0.2 s. Recorded per backend:
+every 0.2 s. ``dualdecoder+SELECTOR`` in ``--backends`` runs the ``dualdecoder``
+server again with every request choosing that selector (``custom_params.dd_selector``).
+Recorded per backend:
 
 * ``peak_concurrent_decoding``: most requests decoding at once (dense: the
   ``DENSE`` running batch; dualdecoder: ``DECODE_SPARSE``);
@@ -81,9 +83,11 @@ def steady_decode(times: list[list[float]]) -> dict:
 def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
     """One server, all prompts at once; see the module docstring for the figures.
 
-    ``spec``: a backend name, or ``name:room`` for a device pool with room for every request densely.
+    ``spec``: a backend name, or ``name:room`` for a device pool with room for every request densely;
+    ``dualdecoder+SELECTOR`` sends every request with ``custom_params.dd_selector`` = SELECTOR.
     """
     backend, _, room = spec.partition(":")
+    backend, _, selector = backend.partition("+")
     budget = args.max_total_tokens
     if room:
         budget = sum(n for _, n, _ in prompts) + len(prompts) * args.new_tokens + 512
@@ -103,6 +107,8 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
         text = ""
         payload = {"model": "x", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
                    "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        if selector:
+            payload["custom_params"] = {"dd_selector": selector}
         times = []  # arrival of each non-empty text chunk (monotonic seconds)
         usage = None
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=payload, timeout=3600) as r:
@@ -172,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target (~4k tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--backends", default="torch_native,dualdecoder,torch_native:room",
-                    help="backend names; name:room = a device pool with room for every request densely")
+                    help="backend names; name:room = a device pool with room for every request densely; "
+                         "dualdecoder+SELECTOR = every request with custom_params.dd_selector SELECTOR")  # fmt: skip
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -195,12 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens_per_request": args.new_tokens,
         "backends": runs,
     }
-    # sparse over each dense baseline, for the whole run and for steady decode (same JSON keys as before)
-    dd = runs.get("dualdecoder")
-    for prefix, metric in (("", "output_tokens_per_second"), ("steady_decode_", "steady_decode_tokens_per_second")):
-        for base, name in (("torch_native", "same_budget"), ("torch_native:room", "with_room")):
-            if dd and base in runs:
-                result[f"{prefix}dualdecoder_over_dense_{name}"] = round(dd[metric] / runs[base][metric], 3)
+    # each sparse run over each dense baseline, for the whole run and for steady decode
+    # (``dualdecoder_over_dense_same_budget``; ``dualdecoder_host_sync_over_...`` for ``dualdecoder+host_sync``)
+    for spec, dd in runs.items():
+        if not spec.startswith("dualdecoder") or ":" in spec:
+            continue
+        for prefix, metric in (("", "output_tokens_per_second"), ("steady_decode_", "steady_decode_tokens_per_second")):
+            for base, name in (("torch_native", "same_budget"), ("torch_native:room", "with_room")):
+                if base in runs:
+                    key = f"{prefix}{spec.replace('+', '_')}_over_dense_{name}"
+                    result[key] = round(dd[metric] / runs[base][metric], 3)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

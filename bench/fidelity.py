@@ -19,7 +19,9 @@ per-request ``custom_params``): ``oracle`` (exact top-k of the real query);
 ``spec_host+dual_token`` (the default configuration: repairs after a rejected
 speculation), the same with ``dd_miss_policy: use_prefetched`` (no repair),
 ``spec_host_exact+dual_token`` (every host key scored),
-``spec_host+ngram``, ``spec_host+none``, ``recency``, ``quest_device``. ``--configs all`` runs every selector x
+``spec_host+ngram``, ``spec_host+none``, ``recency``, ``quest_device``, ``host_sync``
+(``spec_host``'s int8 index and re-ranking of the real query at attention
+time: no prediction). ``--configs all`` runs every selector x
 speculator pair (selectors other than ``spec_host`` read no speculated token
 today, so those pairs repeat ``+none``). Each sparse configuration runs at
 ``dd_top_k`` = context / 8, / 16, / 32 (a *cell* is context x configuration x k).
@@ -86,7 +88,7 @@ from bench.client import (
 from bench.stats import mean_ci, wilson
 from bench.texts import available_texts, needle_prompt, text
 
-SELECTORS = ("spec_host", "spec_host_exact", "recency", "quest_device", "oracle")
+SELECTORS = ("spec_host", "spec_host_exact", "recency", "quest_device", "oracle", "host_sync")
 SPECULATORS = ("dual_token", "ngram", "none")
 DEFAULT_CONFIG = "spec_host+dual_token"
 #: Sparse configurations run by default: name -> custom_params (without dd_top_k).
@@ -100,6 +102,7 @@ CONFIGS = {
     "spec_host+none": {"dd_selector": "spec_host", "dd_speculator": "none"},
     "recency": {"dd_selector": "recency", "dd_speculator": "none"},
     "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},
+    "host_sync": {"dd_selector": "host_sync", "dd_speculator": "none"},
 }  # fmt: skip
 CAP = 16384
 #: ``--dense full_top_k``: dense answers from the dualdecoder server itself, every candidate attended
@@ -111,7 +114,8 @@ STOP = ["\n", "."]
 
 def all_configs() -> dict[str, dict]:
     """Every selector x speculator pair, plus the default without repairs (``use_prefetched``)."""
-    out = {f"{s}+{p}": {"dd_selector": s, "dd_speculator": p} for s in SELECTORS for p in SPECULATORS}
+    out = {f"{s}+{p}": {"dd_selector": s, "dd_speculator": p} for s in SELECTORS[:-1] for p in SPECULATORS}
+    out["host_sync"] = CONFIGS["host_sync"]  # reads no speculated query: one configuration
     out["spec_host+dual_token+use_prefetched"] = CONFIGS["spec_host+dual_token+use_prefetched"]
     return out
 

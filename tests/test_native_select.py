@@ -132,6 +132,31 @@ def test_native_selection_splits_over_threads_like_one_call(march):
         assert torch.equal(pos[layer], p1) and torch.equal(slots[layer], s1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_task_on_several_threads_chooses_the_one_thread_sets(dtype, march):
+    """One row of one layer (a selection at attention time, a repair at batch 1) runs on every
+    thread, its candidates' scores split in 16-candidate blocks and then its KV heads: the same
+    sets in the same order on 1, 2 and 3 threads, and PyTorch's sets; a repair likewise."""
+    host_k, idx, rows, q = _case([1500], 64, dtype, seed=21, layers=2, n_keep=5)
+    sel, ref = make_selector("spec_host", 2.0, native=True), make_selector("spec_host", 2.0)
+    have, _ = ref.select(q[1] * 0.7, rows, host_k[1], 96, 0.125, idx, 1)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            pos, slots = sel.select(q[1], rows, host_k[1], 96, 0.125, idx, 1)
+            rep = sel.repair(q[1], rows, host_k[1], 96, 24, have, torch.tensor([60]), 0.125, idx, 1)
+            got[n] = (pos, slots, rep)
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(got[n], got[1], strict=True))
+    assert all(_same_sets(got[1][0], ref.select(q[1], rows, host_k[1], 96, 0.125, idx, 1)[0]))
+    want = ref.repair(q[1], rows, host_k[1], 96, 24, have, torch.tensor([60]), 0.125, idx, 1)
+    assert all(_same_sets(got[1][2], want))
+
+
 def test_selection_writes_into_given_tensors_and_refuses_bad_ones():
     """``out``: both selectors write the sets into the given tensors (the next step's sets, in
     place), equal to a call without; a wrong shape, dtype or layout is refused."""

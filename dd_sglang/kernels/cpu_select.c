@@ -528,6 +528,133 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
     }
 }
 
+/* A row's H x G selection queries: float32 copies, their int8 versions (absmax / 127, round half
+ * to even), the uint8 ones logits16_vnni reads (int8 + 128), and each query's combined scale. */
+typedef struct {
+    int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
+#ifdef HAVE_LOGITS16_VNNI
+    uint8_t qu[MAXG][MAXD] __attribute__((aligned(64)));
+#endif
+    float qf[MAXG][MAXD] __attribute__((aligned(64)));
+    float qsc[MAXG];
+} row_queries;
+
+/* step 1 of the header for one row: qrow [HG, D] float32 */
+static void quantize_queries(const float *qrow, int HG, int D, float scale, row_queries *Q) {
+    for (int j = 0; j < HG; j++) {
+        float mx = 0.0f;
+        for (int d = 0; d < D; d++) {
+            float v = qrow[j * D + d];
+            Q->qf[j][d] = v;
+            mx = fabsf(v) > mx ? fabsf(v) : mx;
+        }
+        float qs = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
+        for (int d = 0; d < D; d++) {
+            Q->qi[j][d] = (int16_t)nearbyintf(Q->qf[j][d] / qs);
+#ifdef HAVE_LOGITS16_VNNI
+            Q->qu[j][d] = (uint8_t)(Q->qi[j][d] + 128);
+#endif
+        }
+        Q->qsc[j] = qs * scale;
+    }
+}
+
+/* step 2 for the compact candidates [c0, c1) of n (c0 a multiple of 16; c1 one too, or n):
+ * a[(h G + j) n + c]. Each candidate's logit is computed alone, so any split into such ranges
+ * gives the same values as one pass over [0, n). */
+static void approx_logits(const row_queries *Q, const int64_t *srow, const int32_t *cpos, int n, int c0, int c1,
+                          const int8_t *q8l, const float *ksl, int H, int G, int D, int simd, float *a) {
+    int c = c0;
+#ifdef HAVE_LOGITS16
+    if (simd && H <= 16) {
+        const int8_t *rws[16];
+        float ksb[16][16];
+        for (; c < c1; c += 16) {
+            int cnt = n - c < 16 ? n - c : 16;
+            for (int i = 0; i < 16; i++) {
+                int64_t s = srow[cpos[i < cnt ? c + i : c]];
+                rws[i] = q8l + s * H * D;
+                for (int h = 0; h < H; h++) ksb[h][i] = ksl[s * H + h];
+            }
+            /* every line (H D bytes a key: 3 lines for SmolLM2) of the keys two blocks ahead, so
+             * the loads above do not wait on memory: with every other key's first line alone,
+             * they were the kernel's main stall (perf annotate) */
+            if (c + 48 <= n)
+                for (int i = 32; i < 48; i++) {
+                    const int8_t *nx = q8l + srow[cpos[c + i]] * H * D;
+                    for (int b = 0; b < H * D; b += 64) __builtin_prefetch(nx + b);
+                }
+#ifdef HAVE_LOGITS16_VNNI
+            if (D % 64 == 0)
+                logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, D, (const uint8_t(*)[MAXD])Q->qu, Q->qsc, a,
+                              n, c);
+            else
+#endif
+                logits16(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int16_t(*)[MAXD])Q->qi, Q->qsc, a, n,
+                         c);
+        }
+    }
+#endif
+    for (; c < c1; c++) {
+        int64_t s = srow[cpos[c]];
+        if (c + 8 < n) __builtin_prefetch(q8l + srow[cpos[c + 8]] * H * D);
+        for (int h = 0; h < H; h++) {
+            const int8_t *kr = q8l + (s * H + h) * D;
+            float ks = ksl[s * H + h];
+            int32_t dot[MAXG];
+#if SIMD_D > 1
+            if (simd)
+                dots_i8(kr, (const int16_t(*)[MAXD])Q->qi[h * G], G, D, dot);
+            else
+#endif
+                dots_i8_ref(kr, (const int16_t(*)[MAXD])Q->qi[h * G], G, D, dot);
+            for (int j = 0; j < G; j++) a[(int64_t)(h * G + j) * n + c] = (float)dot[j] * ks * Q->qsc[h * G + j];
+        }
+    }
+}
+
+/* Per-thread scratch of select_head for rows of P positions. */
+typedef struct {
+    scored *sc;
+    float *e, *sv;
+    uint8_t *skip;
+} head_scratch;
+
+static int scratch_alloc(head_scratch *w, int P, int G, int m, int held) {
+    w->sc = malloc(sizeof(scored) * (size_t)P);
+    w->e = malloc(sizeof(float) * (size_t)G * m);
+    w->sv = malloc(sizeof(float) * 3 * (size_t)P); /* scores, then kth_largest's scratch */
+    w->skip = held ? malloc(((size_t)P + 7) / 8) : NULL;
+    return w->sc && w->e && w->sv && (!held || w->skip) ? 0 : -1;
+}
+
+static void scratch_free(head_scratch *w) {
+    free(w->sc);
+    free(w->e);
+    free(w->sv);
+    free(w->skip);
+}
+
+/* steps 3-7 for KV head h of task (l, r), from its approximate logits a (the task's [H G, n]). */
+static void select_task_head(int l, int r, int h, int R, int H, int G, int D, int P, int64_t S, int n,
+                             const int32_t *cpos, const float *a, const row_queries *Q, const int64_t *srow,
+                             const void *keys, int key_bf16, int k, int m, float scale, int simd,
+                             int64_t *out_pos, int64_t *out_slots, const int64_t *held, const int64_t *held_n,
+                             int held_k, head_scratch *w) {
+    const char *keys_l = (const char *)keys + (int64_t)l * S * H * D * (key_bf16 ? 2 : 4);
+    int64_t o = (((int64_t)l * R + r) * H + h) * k;
+    if (w->skip) { /* this head's held positions: a bitmap by position */
+        memset(w->skip, 0, ((size_t)P + 7) / 8);
+        const int64_t *hp = held + (((int64_t)l * R + r) * H + h) * held_k;
+        int64_t hn = held_n[r] < held_k ? held_n[r] : held_k;
+        for (int64_t j = 0; j < hn; j++)
+            if (hp[j] >= 0 && hp[j] < P) w->skip[hp[j] >> 3] |= (uint8_t)(1u << (hp[j] & 7));
+    }
+    select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])Q->qf[h * G], keys_l,
+                (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, w->skip, w->sc, w->e, w->sv, out_pos + o,
+                out_slots + o);
+}
+
 /* Tasks [t0, t1) of the L x R grid (task = l * R + r; every KV head of the row: a host slot's
  * KV heads are one contiguous row of the index, read once for all of them).
  *
@@ -548,129 +675,98 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
     if (L < 1 || H * G > MAXG || D > MAXD || k > m || k < 1 || t0 < 0 || t1 > L * R) return -1;
     const int HG = H * G;
     float *a = malloc(sizeof(float) * (size_t)HG * P);
-    scored *sc = malloc(sizeof(scored) * (size_t)P);
-    float *e = malloc(sizeof(float) * (size_t)G * m);
     int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
-    float *sv = malloc(sizeof(float) * 3 * (size_t)P); /* scores, then kth_largest's scratch */
-    uint8_t *skip = held ? malloc(((size_t)P + 7) / 8) : NULL;
-    if (!a || !sc || !e || !cpos || !sv || (held && !skip)) {
+    row_queries Q;
+    head_scratch w;
+    int bad = scratch_alloc(&w, P, G, m, held != NULL);
+    if (!a || !cpos || bad) {
         free(a);
-        free(sc);
-        free(e);
         free(cpos);
-        free(sv);
-        free(skip);
+        scratch_free(&w);
         return -1;
     }
-    int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
-#ifdef HAVE_LOGITS16_VNNI
-    uint8_t qu[MAXG][MAXD] __attribute__((aligned(64))); /* qi + 128, for logits16_vnni */
-#endif
-    float qf[MAXG][MAXD] __attribute__((aligned(64)));
     const int simd = SIMD_D > 1 && D % SIMD_D == 0;
-    float qsc[MAXG];
     for (int t = t0; t < t1; t++) {
         int r = t % R, l = t / R;
-        /* 1. the row's H x G queries, and their int8 versions */
-        const float *qrow = q + ((int64_t)l * R + r) * HG * D;
-        for (int j = 0; j < HG; j++) {
-            float mx = 0.0f;
-            for (int d = 0; d < D; d++) {
-                float v = qrow[j * D + d];
-                qf[j][d] = v;
-                mx = fabsf(v) > mx ? fabsf(v) : mx;
-            }
-            float qs = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
-            for (int d = 0; d < D; d++) {
-                qi[j][d] = (int16_t)nearbyintf(qf[j][d] / qs);
-#ifdef HAVE_LOGITS16_VNNI
-                qu[j][d] = (uint8_t)(qi[j][d] + 128);
-#endif
-            }
-            qsc[j] = qs * scale;
-        }
-        /* 2. approximate logits of the candidates, compacted: a[(h G + j) n + c] */
+        quantize_queries(q + ((int64_t)l * R + r) * HG * D, HG, D, scale, &Q);
         const int64_t *srow = slots + (int64_t)r * P;
         const uint8_t *okrow = ok + (int64_t)r * P;
-        const int8_t *q8l = q8 + (int64_t)l * S * H * D;
-        const float *ksl = kscale + (int64_t)l * S * H;
         int n = 0;
         for (int p = 0; p < P; p++)
             if (okrow[p]) cpos[n++] = p;
-        int c = 0;
-#ifdef HAVE_LOGITS16
-        if (simd && H <= 16) {
-            const int8_t *rws[16];
-            float ksb[16][16];
-            for (; c < n; c += 16) {
-                int cnt = n - c < 16 ? n - c : 16;
-                for (int i = 0; i < 16; i++) {
-                    int64_t s = srow[cpos[i < cnt ? c + i : c]];
-                    rws[i] = q8l + s * H * D;
-                    for (int h = 0; h < H; h++) ksb[h][i] = ksl[s * H + h];
-                }
-                /* every line (H D bytes a key: 3 lines for SmolLM2) of the keys two blocks ahead, so
-                 * the loads above do not wait on memory: with every other key's first line alone,
-                 * they were the kernel's main stall (perf annotate) */
-                if (c + 48 <= n)
-                    for (int i = 32; i < 48; i++) {
-                        const int8_t *nx = q8l + srow[cpos[c + i]] * H * D;
-                        for (int b = 0; b < H * D; b += 64) __builtin_prefetch(nx + b);
-                    }
-#ifdef HAVE_LOGITS16_VNNI
-                if (D % 64 == 0)
-                    logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, D, (const uint8_t(*)[MAXD])qu, qsc, a, n,
-                                  c);
-                else
-#endif
-                    logits16(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int16_t(*)[MAXD])qi, qsc, a, n, c);
-            }
-        }
-#endif
-        for (; c < n; c++) {
-            int64_t s = srow[cpos[c]];
-            if (c + 8 < n) __builtin_prefetch(q8l + srow[cpos[c + 8]] * H * D);
-            for (int h = 0; h < H; h++) {
-                const int8_t *kr = q8l + (s * H + h) * D;
-                float ks = ksl[s * H + h];
-                int32_t dot[MAXG];
-#if SIMD_D > 1
-                if (simd)
-                    dots_i8(kr, (const int16_t(*)[MAXD])qi[h * G], G, D, dot);
-                else
-#endif
-                    dots_i8_ref(kr, (const int16_t(*)[MAXD])qi[h * G], G, D, dot);
-                for (int j = 0; j < G; j++) a[(int64_t)(h * G + j) * n + c] = (float)dot[j] * ks * qsc[h * G + j];
-            }
-        }
-        const char *keys_l = (const char *)keys + (int64_t)l * S * H * D * (key_bf16 ? 2 : 4);
-        for (int h = 0; h < H; h++) {
-            int64_t o = (((int64_t)l * R + r) * H + h) * k;
-            if (skip) { /* this head's held positions: a bitmap by position */
-                memset(skip, 0, ((size_t)P + 7) / 8);
-                const int64_t *hp = held + (((int64_t)l * R + r) * H + h) * held_k;
-                int64_t hn = held_n[r] < held_k ? held_n[r] : held_k;
-                for (int64_t j = 0; j < hn; j++)
-                    if (hp[j] >= 0 && hp[j] < P) skip[hp[j] >> 3] |= (uint8_t)(1u << (hp[j] & 7));
-            }
-            select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])qf[h * G],
-                        keys_l, (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, skip, sc, e, sv,
-                        out_pos + o, out_slots + o);
-        }
+        approx_logits(&Q, srow, cpos, n, 0, n, q8 + (int64_t)l * S * H * D, kscale + (int64_t)l * S * H, H, G, D,
+                      simd, a);
+        for (int h = 0; h < H; h++)
+            select_task_head(l, r, h, R, H, G, D, P, S, n, cpos, a, &Q, srow, keys, key_bf16, k, m, scale, simd,
+                             out_pos, out_slots, held, held_n, held_k, &w);
     }
     free(a);
-    free(sc);
-    free(e);
     free(cpos);
-    free(sv);
-    free(skip);
+    scratch_free(&w);
     return 0;
+}
+
+/* Task t of the grid on `threads` threads (for fewer tasks than threads, e.g. one row's selection
+ * of one layer at attention time): the candidates' approximate logits split into ranges of whole
+ * 16-candidate blocks, then the KV heads split. Every logit and every head's selection is the same
+ * arithmetic as dd_spec_host_select's, so the same sets. Returns 0 or -1 (as it). */
+static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
+                            const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
+                            const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
+                            int64_t *out_slots, const int64_t *held, const int64_t *held_n, int held_k,
+                            int threads) {
+    const int HG = H * G, r = t % R, l = t / R;
+    const int simd = SIMD_D > 1 && D % SIMD_D == 0;
+    float *a = malloc(sizeof(float) * (size_t)HG * P);
+    int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
+    row_queries *Q = NULL;
+    if (posix_memalign((void **)&Q, 64, sizeof(row_queries))) Q = NULL;
+    if (!a || !cpos || !Q) {
+        free(a);
+        free(cpos);
+        free(Q);
+        return -1;
+    }
+    quantize_queries(q + ((int64_t)l * R + r) * HG * D, HG, D, scale, Q);
+    const int64_t *srow = slots + (int64_t)r * P;
+    const uint8_t *okrow = ok + (int64_t)r * P;
+    int n = 0, rc = 0;
+    for (int p = 0; p < P; p++)
+        if (okrow[p]) cpos[n++] = p;
+    const int8_t *q8l = q8 + (int64_t)l * S * H * D;
+    const float *ksl = kscale + (int64_t)l * S * H;
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+#ifdef _OPENMP
+        int id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int id = 0, nt = 1;
+#endif
+        int blocks = (n + 15) / 16;
+        int c0 = 16 * (int)((int64_t)blocks * id / nt), c1 = 16 * (int)((int64_t)blocks * (id + 1) / nt);
+        approx_logits(Q, srow, cpos, n, c0, c1 < n ? c1 : n, q8l, ksl, H, G, D, simd, a);
+        head_scratch w;
+        int bad = scratch_alloc(&w, P, G, m, held != NULL);
+#pragma omp barrier
+        if (bad)
+            rc |= 1;
+        else
+            for (int h = id; h < H; h += nt)
+                select_task_head(l, r, h, R, H, G, D, P, S, n, cpos, a, Q, srow, keys, key_bf16, k, m, scale, simd,
+                                 out_pos, out_slots, held, held_n, held_k, &w);
+        scratch_free(&w);
+    }
+    free(a);
+    free(cpos);
+    free(Q);
+    return rc ? -1 : 0;
 }
 
 /* dd_spec_host_select over every task, split into contiguous ranges over `threads` OpenMP
  * threads. Built with -fopenmp, this library binds to the libgomp already loaded in the process
  * (PyTorch's), so these are the threads PyTorch's own operations use: no second pool competes
- * for the cores with them. Returns 0, or -1 if any range was refused. */
+ * for the cores with them. With fewer tasks than threads, each task runs on every thread
+ * (select_task_wide). Returns 0, or -1 if any range was refused. */
 int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
                             const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
                             const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
@@ -678,7 +774,13 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
                             int threads) {
     int tasks = L * R, rc = 0;
     if (threads < 1) threads = 1;
-    if (threads > tasks) threads = tasks;
+    if (L < 1 || H * G > MAXG || D > MAXD || k > m || k < 1) return -1;
+    if (tasks < threads) {
+        for (int t = 0; t < tasks; t++)
+            rc |= select_task_wide(t, L, R, H, G, D, P, S, q, slots, ok, q8, kscale, keys, key_bf16, k, m, scale,
+                                   out_pos, out_slots, held, held_n, held_k, threads);
+        return rc ? -1 : 0;
+    }
 #pragma omp parallel num_threads(threads) reduction(| : rc)
     {
 #ifdef _OPENMP

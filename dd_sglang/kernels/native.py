@@ -19,7 +19,10 @@ library is built on the machine that runs it, for its instruction set (AVX2 or A
 Without a compiler, or if the build fails, :func:`load` returns None and logs why once; the
 selector then uses its PyTorch path (``prefetch.kernel: auto``).
 
-**Threads.** The tasks are split over ``torch.get_num_threads()`` OpenMP threads. The library
+**Threads.** The tasks are split over ``torch.get_num_threads()`` OpenMP threads; a selection
+with fewer tasks than threads (one row of one layer: a selection at attention time, a repair at
+batch 1) runs each task on every thread instead, its candidates' int8 scores split in blocks of
+16 and then its KV heads (``select_task_wide``: the same arithmetic, the same sets). The library
 is built with ``-fopenmp`` and binds to the ``libgomp.so.1`` PyTorch has already loaded, so
 these are PyTorch's own intra-op threads. A thread pool of its own (tried first: half the
 tasks on a Python helper thread, ctypes releasing the GIL) competed with PyTorch's workers,
@@ -241,11 +244,10 @@ def spec_host_select(
         hpos, hn = hpos.to(torch.int64).contiguous(), hn.to(torch.int64).contiguous()
         held_args = (_ptr(hpos), _ptr(hn), int(hpos.shape[3]))
     s = keys.shape[1]
-    tasks = n_layers * rows
     args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),
             _ptr(kscale), _ptr(keys), int(keys.dtype == torch.bfloat16), k, m, float(scale),
             _ptr(pos_out), _ptr(slot_out), *held_args)  # fmt: skip
-    rc = lib.dd_spec_host_select_par(*args, min(tasks, torch.get_num_threads()))
+    rc = lib.dd_spec_host_select_par(*args, torch.get_num_threads())  # fewer tasks than threads: each on all
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")
     return pos_out, slot_out
