@@ -158,7 +158,7 @@ def test_critical_sets_on_a_tp_shard_equal_the_full_models_per_kv_head(name, tp)
     q = torch.randn(len(lens), HQ, d, generator=g)
 
     def select(q_, host_k_):
-        index = (QuantKeyIndex if name == "spec_host" else KeyBlockIndex)(host_k_)
+        index = (QuantKeyIndex if SELECTORS[name].index_location == "host" else KeyBlockIndex)(host_k_)
         for sl, n in zip(slots, lens, strict=True):
             index.update(sl, 0, n)
         return make_selector(name).select(q_, rows, host_k_[1], k, d**-0.5, index, 1)
