@@ -140,7 +140,10 @@ class PrefetchSection(_Strict):
     with its int8 host-tier key index and re-ranks the best ``rerank x top_k``
     with the exact keys. ``transfer``: ``worker`` copies on a worker thread while
     earlier layers compute, ``inline`` on the forward thread when the layer
-    needs them, ``auto`` picks ``worker`` on CUDA and ``inline`` on a CPU.
+    needs them, ``in_place`` (a CPU device with the C kernel; elsewhere as
+    ``inline``) copies nothing: attention reads each critical set from the host
+    tier by slot, where the host tier and the device pool are the same memory;
+    ``auto`` picks ``worker`` on CUDA and ``in_place`` on a CPU.
     ``select``: where step t+1's selection runs: ``worker`` (a thread beside
     the forward pass: on CUDA it overlaps GPU compute; on a CPU it runs its
     ops on one intra-op thread), ``inline`` (on the
@@ -177,7 +180,7 @@ class PrefetchSection(_Strict):
     repair_budget: int = Field(32, ge=1, le=1_000_000)
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
     rerank: float = Field(2.0, ge=1.0, le=1024.0)
-    transfer: Literal["auto", "worker", "inline"] = "auto"
+    transfer: Literal["auto", "worker", "inline", "in_place"] = "auto"
     select: Literal["auto", "worker", "inline"] = "auto"
     gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
     branches: int = Field(1, ge=1, le=2)

@@ -261,14 +261,14 @@ def test_oracle_reads_the_resident_set_and_the_exact_top_k_of_the_current_query(
                                        atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
-def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel):
+@pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
+def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel, transfer):
     """``host_sync``: no token rides; each layer's set is ``spec_host``'s scoring (int8 host index,
     exact re-ranking of the best 2 x k) of the *current* query, chosen at attention time, and the
     output is attention over it and the resident set. The set is close to the exact top-k."""
     from dd_sglang.prefetch.selectors import SpecHostSelector
 
-    h = Harness(_kernel_params(kernel), top_k=24, selector="host_sync")
+    h = Harness(_kernel_params(kernel, transfer=transfer), top_k=24, selector="host_sync")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)  # prompt lookup would propose a token
     plans = []
     for _ in range(2):
@@ -295,18 +295,20 @@ def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel):
             top = _topk_sets(q, h.k_all[i], cand, 24)
             overlap += [len(c & t) / 24 for c, t in zip(chosen, top, strict=True)]
         assert sum(overlap) / len(overlap) >= 0.9, overlap
+    assert (h.backend.runner._crit is not None) == (transfer == "in_place")
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
 @pytest.mark.parametrize("select,chunk", [("inline", 10), ("inline", 1), ("worker", 10)])
-def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select, chunk, kernel,
+def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earlier(select, chunk, kernel, transfer,
                                                                                    monkeypatch):  # fmt: skip
     """Inline, the next step's sets are chosen in chunks of layers (all at once, one at a time); on
-    the worker, per layer: every way gives each layer the set its own speculated query chose."""
+    the worker, per layer: every way gives each layer the set its own speculated query chose, copied
+    into the ring (``inline``) or read in place from the host tier (``in_place``, the C path)."""
     from dd_sglang.prefetch import runner
 
     monkeypatch.setattr(runner, "SELECT_CHUNK_LAYERS", chunk)
-    h = Harness(_kernel_params(kernel, select=select), top_k=24, selector="spec_host_exact")
+    h = Harness(_kernel_params(kernel, select=select, transfer=transfer), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen
     fb, qs_prev, _ = h.step()  # cold: selects from the current query, queues next step's sets
@@ -321,7 +323,10 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
         q = qs[i][0][0]
         torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
-    # Bytes copied into the ring: 24 tokens x 3 KV heads x D x 4 B, K and V, per layer.
+    assert h.backend.runner.in_place == (transfer == "in_place")
+    assert (h.backend.runner._crit is not None) == (transfer == "in_place")
+    # Bytes brought from the host tier (copied into the ring, or read in place): 24 tokens x 3 KV
+    # heads x D x 4 B, K and V, per layer.
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
 
 
@@ -349,14 +354,15 @@ def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_quer
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
-def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation(kernel):
+@pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
+def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation(kernel, transfer):
     """Both repair paths: PyTorch's (mask the held tokens in the scores) and the C kernel's (the
-    first ``repair_budget`` not held of the real query's ``k + repair_budget`` best)."""
+    first ``repair_budget`` not held of the real query's ``k + repair_budget`` best); the C path's
+    repaired tokens copied into the ring or read in place."""
     if kernel == "native" and not native_kernel.available():
         pytest.skip(f"no CPU selection kernel here: {native_kernel.unavailable_reason()}")
     h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, rerank=100,
-                               kernel=kernel), top_k=24, selector="spec_host_exact")  # fmt: skip
+                               kernel=kernel, transfer=transfer), top_k=24, selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()

@@ -278,20 +278,22 @@ def test_hit_rate_measurement_counts_like_pytorch(dtype, march):
     torch.testing.assert_close(mt.sum(1), want[2].float(), rtol=2e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("resident", [False, True])
+@pytest.mark.parametrize("resident,in_place", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize(
     ("dtype", "rows", "positions", "columns", "d", "hq", "hkv"),
     [(torch.bfloat16, 1, 2, 390, 64, 9, 3), (torch.bfloat16, 8, 2, 140, 64, 9, 3), (torch.float32, 3, 3, 37, 16, 9, 3),
      (torch.float32, 2, 1, 100, 128, 32, 8), (torch.float32, 2, 2, 21, 64, 9, 3)],  # fmt: skip
 )
 def test_fused_sparse_attention_equals_fold_sdpa_scatter(dtype, rows, positions, columns, d, hq, hkv, resident,
-                                                         march):  # fmt: skip
+                                                         in_place, march):  # fmt: skip
     """``sparse_attend`` (the CPU fast path's one call a layer) against the PyTorch path it replaces:
     the queries folded from a strided view of the fused QKV projection, SDPA with the step's mask,
     the outputs scattered to their tokens. Positions without an output token are not written;
     per-position masks differ (a column only the speculated query reads); the 16-column SIMD
     blocks and the scalar tail (21 columns) both run. ``resident``: the first columns come from
-    the device pool by slot (the ring slot's copies of them are garbage, never read)."""
+    the device pool by slot (the ring slot's copies of them are garbage, never read). ``in_place``:
+    the next columns come from a host tier by slot where the slot is >= 0 (the critical set read
+    in place; the ring holds garbage there), from the ring where it is -1."""
     from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention, unfold_gqa
 
     g = torch.Generator().manual_seed(rows * 100 + columns)
@@ -321,7 +323,23 @@ def test_fused_sparse_attention_equals_fold_sdpa_scatter(dtype, rows, positions,
         want_v[:rows, :, :n_res] = pool_v[slots].transpose(1, 2)
         keys[:, :, :n_res] = float("nan")  # never read
         values[:, :, :n_res] = float("nan")
-    native.sparse_attend(q3, q_tok, keys, values, mask, out, out_tok, 0.125, res)
+    crit = None
+    if in_place:
+        c_lo, n_crit = columns // 3, columns - columns // 3 - 1  # the last column stays in the ring
+        host_k = torch.randn(70, hkv, d, generator=g).to(dtype)
+        host_v = torch.randn(70, hkv, d, generator=g).to(dtype)
+        cslots = torch.randint(0, 70, (rows, hkv, n_crit), generator=g)
+        cslots[:, :, ::5] = -1  # these columns are read from the ring
+        crit = (host_k, host_v, cslots, c_lo)
+        for r in range(rows):
+            for h in range(hkv):
+                for j in range(n_crit):
+                    if cslots[r, h, j] >= 0:
+                        want_k[r, h, c_lo + j] = host_k[cslots[r, h, j], h]
+                        want_v[r, h, c_lo + j] = host_v[cslots[r, h, j], h]
+                        keys[r, h, c_lo + j] = float("nan")
+                        values[r, h, c_lo + j] = float("nan")
+    native.sparse_attend(q3, q_tok, keys, values, mask, out, out_tok, 0.125, res, crit)
     if resident:
         keys, values = want_k, want_v
     group = hq // hkv

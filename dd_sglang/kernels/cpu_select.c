@@ -994,6 +994,9 @@ int dd_measure(int R, int H, int G, int D, int P, int K, const float *q, const i
  * pool_k, pool_v, res, n_res: when pool_k is not NULL, columns c < n_res (the resident set) are
  *      read from the device pool [slots, H, D] at slot res[r n_res + c] instead of the ring slot
  *      (which then need not hold them)
+ * host_k, host_v, crit, c_lo, n_crit: when host_k is not NULL, a column c in [c_lo, c_lo + n_crit)
+ *      whose host slot s = crit[(r H + h) n_crit + c - c_lo] is >= 0 is read in place from the host
+ *      tier's layer [S, H, D] at slot s (the critical set, never copied into the ring slot)
  * Tasks over `threads` OpenMP threads. Returns 0, or -1 (G > MAXG, D > MAXD, no memory). */
 static inline float act_load(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -1051,6 +1054,7 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
                         void *out, int64_t out_stride, const int64_t *out_tok, int act_bf16, int kv_bf16,
                         float scale, int32_t *cols, float *s, float (*kb)[MAXD], float (*qf)[MAXD],
                         float (*o)[MAXD], const void *pool_k, const void *pool_v, const int64_t *res, int n_res,
+                        const void *host_k, const void *host_v, const int64_t *crit, int c_lo, int n_crit,
                         const char **kp, const char **vp) {
     float row[MAXD] __attribute__((aligned(64)));
     int pos[MAXG], Q = 0; /* the positions with an output, in order; query j = (pos[j / G], g = j % G) */
@@ -1089,6 +1093,12 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
         if (pool_k && col < n_res) {
             off = (res[(int64_t)r * n_res + col] * H + h) * D * esz;
             kb0 = (const char *)pool_k, vb0 = (const char *)pool_v;
+        } else if (host_k && col >= c_lo && col < c_lo + n_crit) {
+            int64_t slot = crit[((int64_t)r * H + h) * n_crit + col - c_lo];
+            if (slot >= 0) {
+                off = (slot * H + h) * D * esz;
+                kb0 = (const char *)host_k, vb0 = (const char *)host_v;
+            }
         }
         kp[c] = kb0 + off;
         vp[c] = vb0 + off;
@@ -1179,7 +1189,8 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
 int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, const void *q, int64_t q_stride,
                      const int64_t *q_tok, const void *k, const void *v, const uint8_t *mask, void *out,
                      int64_t out_stride, const int64_t *out_tok, int act_bf16, int kv_bf16, float scale,
-                     const void *pool_k, const void *pool_v, const int64_t *res, int n_res, int threads) {
+                     const void *pool_k, const void *pool_v, const int64_t *res, int n_res, const void *host_k,
+                     const void *host_v, const int64_t *crit, int c_lo, int n_crit, int threads) {
     if (G < 1 || (int64_t)P * G > MAXG || D < 1 || D > MAXD || N < 1 || N > ncols) return -1;
     if (threads < 1) threads = 1;
     int tasks = R * H, rc = 0;
@@ -1200,7 +1211,8 @@ int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, co
 #endif
         for (int t = id; t < tasks && !rc; t += nt)
             attend_task(t / H, t % H, H, G, P, D, N, ncols, q, q_stride, q_tok, k, v, mask, out, out_stride, out_tok,
-                        act_bf16, kv_bf16, scale, cols, s, kb, qo, qo + P * G, pool_k, pool_v, res, n_res, kp, vp);
+                        act_bf16, kv_bf16, scale, cols, s, kb, qo, qo + P * G, pool_k, pool_v, res, n_res, host_k,
+                        host_v, crit, c_lo, n_crit, kp, vp);
         free(cols);
         free(s);
         free(kb);

@@ -148,7 +148,8 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
         lib.dd_gather_rows.restype = None
         lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
         lib.dd_copy_rows.restype = None
-        lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, p, p, p, i, i]
+        lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, p, p, p, i, p, p,
+                                         p, i, i, i]  # fmt: skip
         lib.dd_sparse_attend.restype = ctypes.c_int
         lib.dd_measure.argtypes = [i, i, i, i, i, i, p, p, p, p, i, p, p, f, p, p, p, i]
         lib.dd_measure.restype = ctypes.c_int
@@ -372,7 +373,8 @@ _ATTEND_DTYPES = (torch.bfloat16, torch.float32)
 
 def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   out: torch.Tensor, out_tok: torch.Tensor, scale: float,
-                  resident: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                  resident: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  critical: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:  # fmt: skip
     """Sparse decode attention of a step's rows over their ring slot, written into the layer's
     output (``dd_sparse_attend`` in ``cpu_select.c``): for each plan row ``r``, KV head ``h`` and
     query position ``p`` with ``out_tok[r, p] >= 0``, each of the ``G`` query heads of ``h`` attends
@@ -395,6 +397,11 @@ def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, valu
             device pool's ``[slots, Hkv, D]`` buffers (contiguous, the slot's dtype) at ``slots``
             ``[R, n_res]`` (int64, contiguous) instead of the ring slot, which then need not hold
             them; None: every column from the ring slot.
+        critical: ``(host_k, host_v, slots, c_lo)``: read column ``c_lo + j`` of row ``r`` and KV head
+            ``h`` in place from the host tier's layer ``[S, Hkv, D]`` buffers (contiguous, the slot's
+            dtype) at host slot ``slots[r, h, j]`` (``[R, Hkv, n]`` int64 contiguous) where that slot
+            is >= 0, instead of from the ring slot (the critical set, never copied); None: no such
+            column.
 
     Raises:
         NativeUnavailable: the kernel is not loaded.
@@ -427,6 +434,17 @@ def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, valu
             raise ValueError(f"sparse_attend: resident pool {tuple(pool_k.shape)} {pool_k.dtype} / slots "
                              f"{tuple(res.shape)} {res.dtype} do not match the slot {tuple(keys.shape)} {keys.dtype}")
         n_res = res.shape[1]
+    host_k = host_v = crit = None
+    c_lo = n_crit = 0
+    if critical is not None:
+        host_k, host_v, crit, c_lo = critical
+        if host_k.dtype != keys.dtype or host_v.dtype != keys.dtype or host_k.shape[1:] != (hkv, d) \
+                or host_v.shape != host_k.shape or crit.dim() != 3 or tuple(crit.shape[:2]) != (r, hkv) \
+                or crit.dtype != torch.int64 or not (host_k.is_contiguous() and host_v.is_contiguous()
+                                                     and crit.is_contiguous()) or c_lo < 0:  # fmt: skip
+            raise ValueError(f"sparse_attend: host tier {tuple(host_k.shape)} {host_k.dtype} / critical slots "
+                             f"{tuple(crit.shape)} {crit.dtype} do not match the slot {tuple(keys.shape)} {keys.dtype}")
+        n_crit = crit.shape[2]
     tasks = r * hkv
     threads = torch.get_num_threads() if tasks >= ATTEND_PARALLEL_TASKS else 1
     rc = lib.dd_sparse_attend(r, hkv, hq // hkv, p, d, mask.shape[2], ncols, q.data_ptr(), q.stride(0), q_tok.data_ptr(),
@@ -434,7 +452,10 @@ def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, valu
                               out_tok.data_ptr(), int(q.dtype == torch.bfloat16), int(keys.dtype == torch.bfloat16),
                               float(scale), pool_k.data_ptr() if pool_k is not None else None,
                               pool_v.data_ptr() if pool_v is not None else None,
-                              res.data_ptr() if res is not None else None, n_res, threads)  # fmt: skip
+                              res.data_ptr() if res is not None else None, n_res,
+                              host_k.data_ptr() if host_k is not None else None,
+                              host_v.data_ptr() if host_v is not None else None,
+                              crit.data_ptr() if crit is not None else None, int(c_lo), int(n_crit), threads)  # fmt: skip
     if rc != 0:
         raise ValueError(f"sparse_attend: the kernel refused G={hq // hkv}, D={d}, N={mask.shape[2]} "
                          f"(at most {MAX_QUERIES} query heads per KV head, head_dim {MAX_HEAD_DIM})")  # fmt: skip

@@ -186,8 +186,9 @@ HOST_INDEX_BYTES = Gauge(
 )
 TRANSFER_BYTES = Counter(
     "dd_transfer_bytes",
-    "Critical-set K/V bytes gathered from the host tier into the layer ring (copies ahead, synchronous "
-    "selections and repairs). Per step = this / dd_decode_steps_total{kind=\"sparse\"}.",
+    "Critical-set K/V bytes brought from the host tier to attention (copies ahead, synchronous selections and "
+    "repairs): gathered into the layer ring, or on a CPU with prefetch.transfer in_place read in place by the "
+    "attention kernel. Per step = this / dd_decode_steps_total{kind=\"sparse\"}.",
 )
 STEP_PHASE_SECONDS = Counter(
     "dd_step_phase_seconds",

@@ -22,9 +22,10 @@ class PrefetchParams:
             query is computed to measure the prefetch hit rate (0 disables, 1 every step).
         rerank: ``spec_host`` re-ranks exactly the ``rerank x k`` best candidates of its
             int8 host-tier key index (:class:`~dd_sglang.prefetch.selectors.SpecHostSelector`).
-        transfer: ``worker`` (copies on the copy worker, overlapping the layers before) or
-            ``inline`` (on the forward thread when the layer needs them); ``auto``: ``worker``
-            on CUDA, ``inline`` on a CPU device.
+        transfer: ``worker`` (copies on the copy worker, overlapping the layers before),
+            ``inline`` (on the forward thread when the layer needs them) or ``in_place`` (CPU fast
+            path: no copy, attention reads the critical sets from the host tier by slot; elsewhere
+            as ``inline``); ``auto``: ``worker`` on CUDA, ``in_place`` on a CPU device.
         branches: ``dual_token`` rides up to this many tokens (1 or 2): with 2, an unconfident
             argmax rides with the second most likely token and the selector ranks by both.
         confident: top-1 probability at or above which one token rides.

@@ -19,6 +19,16 @@ The attention backend calls, per decode step and layer::
 4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
    columns each query reads).
 
+With ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU device with the C
+kernel) nothing is copied in step 1, nor for the sync rows and repairs in step
+2: the step keeps each layer's critical sets as host slots (``[layers, R, Hkv,
+k + repair_budget]``, -1 where a column is not read in place) and the fused C
+attention reads those rows from the host tier itself, as it reads the
+resident set from the device pool. On a CPU the two tiers are the same memory:
+a copy into the ring would read every row once to write it, then again to
+attend to it. A step with exact rows (their dense call reads the ring) or a
+layer the fused attention does not take copies as before.
+
 ``exact_contexts`` then gives, per *exact* row (a full row: its set is its whole
 context), that context's K/V in position order, laid out as SGLang's dense
 decode reads them, for :func:`~dd_sglang.kernels.sparse_decode.dense_decode_attention`.
@@ -53,7 +63,7 @@ import torch
 from dd_sglang.kernels import native as native_kernel
 from dd_sglang.kernels.sparse_decode import fold_gqa, unfold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.gather import RingGather, flat_rows
+from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
 from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
 from dd_sglang.prefetch.layer_rows import LayerRows, build_layer_rows, fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
@@ -191,7 +201,7 @@ class SparseStepRunner:
         self.events = events or _NO_EVENTS
         self.ring = LayerRingBuffer(params.depth, self.device, dtype)
         cpu = self.device.type != "cuda"
-        inline = params.transfer == "inline" or (params.transfer == "auto" and cpu)
+        inline = params.transfer in ("inline", "in_place") or (params.transfer == "auto" and cpu)
         select_inline = params.select == "inline" or (params.select == "auto" and cpu)
         self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline,
                                          select_inline=select_inline)  # fmt: skip
@@ -202,6 +212,15 @@ class SparseStepRunner:
         #: CPU with the C kernel: each layer's moves are single indexed copies over the rows of
         #: :mod:`~dd_sglang.prefetch.layer_rows`, built once per step.
         self.fast = self.gather.native and host.k.is_contiguous()  # gather.native: a CPU ring
+        #: CPU fast path, ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU): the fused attention
+        #: reads the critical sets from the host tier by slot (:attr:`_crit`); no ring copy.
+        self.in_place = self.fast and host.v.is_contiguous() and (params.transfer == "in_place"
+                                                                   or (params.transfer == "auto" and cpu))  # fmt: skip
+        #: The step's in-place critical sets: ``[layers, R, Hkv, k + repair_budget]`` host slots, -1
+        #: where a column is not read in place; None when the step copies into the ring.
+        self._crit: torch.Tensor | None = None
+        self._crit_rows = 0  # host rows (K or V, per KV head) the step's fixed rows read in place, per layer
+        self._crit_layer: tuple | None = None  # the current layer's in-place sets, for attend()
         self._rows_for: tuple | None = None  # (plan, query heads, slot shape) of self._rows
         self._rows: LayerRows | None = None
         self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
@@ -285,12 +304,28 @@ class SparseStepRunner:
             return None
         hkv, d = self.host.k.shape[2], self.host.k.shape[3]
         self.ring.reserve(plan.num_rows, hkv, plan.columns, d)
-        if plan.n_fixed:
+        self._crit = self._in_place_sets(plan) if self.in_place and self.ring.dtype == self.host.k.dtype else None
+        if plan.n_fixed and self._crit is None:
             self.schedule.begin_step(list(range(self.host.layer_num)), self._gather_fn(plan))
         else:
             self.schedule.end_step()
         self.events.phase("plan", time.perf_counter() - plan.started)
         return plan
+
+    def _in_place_sets(self, plan: StepPlan) -> torch.Tensor | None:
+        """The step's :attr:`_crit` table with the fixed rows' sets (the columns each row's mask
+        reads), the rest -1; None for a step with exact rows (their dense call reads the ring)."""
+        if plan.exact_rows:
+            return None
+        n_layers, hkv = self.host.layer_num, self.host.k.shape[2]
+        crit = torch.full((n_layers, plan.num_rows, hkv, plan.k + plan.repair_budget), -1, dtype=torch.int64)
+        if plan.n_fixed:
+            reads = plan.mask[: plan.n_fixed, 0, plan.n_res : plan.n_res + plan.k].to("cpu")  # [n_fixed, k]
+            crit[:, : plan.n_fixed, :, : plan.k] = torch.where(reads[None, :, None, :], plan.fixed_slots, -1)
+            self._crit_rows = int(reads.sum()) * hkv
+        else:
+            self._crit_rows = 0
+        return crit
 
     def _gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
         """The copy of layer ``l``'s fixed rows (plan rows ``[0, n_fixed)``) into its ring slot."""
@@ -347,7 +382,7 @@ class SparseStepRunner:
             plan.positions``) and ``[R, Hkv, columns, D]`` views of the layer's ring slot.
         """
         hkv = k_buf.shape[1]
-        if plan.n_fixed:
+        if plan.n_fixed and self._crit is None:
             keys, values = self.schedule.wait(layer)
         else:
             keys, values = self.ring.slot(layer)
@@ -362,7 +397,15 @@ class SparseStepRunner:
         t1 = time.perf_counter()
         if plan.sync or plan.repair_rows.numel():
             self.tally.phase("select", t1 - t0)
-        if self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous():
+        fast = self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous()
+        self._crit_layer = None
+        if self._crit is not None:
+            if fast and self._fused(plan, q3, k_buf, v_buf):
+                self._crit_layer = (self.host.k[layer], self.host.v[layer], self._crit[layer], plan.n_res)
+                self.tally.copied += 2 * self._crit_rows * k_buf.shape[2] * k_buf.element_size()
+            else:  # this layer cannot read in place after all: its sets go into the ring slot
+                self._crit_to_ring(plan, layer, slot_k, slot_v)
+        if fast:
             q = self._assemble_fast(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values)
             self.tally.phase("assemble", time.perf_counter() - t1)
             return q, keys, values  # q None: attend() runs the fused kernel over the slot
@@ -376,16 +419,34 @@ class SparseStepRunner:
         self.tally.phase("assemble", time.perf_counter() - t1)
         return q, keys, values
 
+    @staticmethod
+    def _fused(plan: StepPlan, q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+        """Whether the fast path's fused C attention takes this layer (dtypes, layouts, group size)."""
+        d, st = k_buf.shape[2], q3.stride()
+        return (q3.dtype in (torch.bfloat16, torch.float32) and st[2] == 1 and st[1] == d and v_buf.shape[2] == d
+                and plan.positions * (q3.shape[1] // k_buf.shape[1]) <= native_kernel.MAX_QUERIES
+                and d <= native_kernel.MAX_HEAD_DIM)  # fmt: skip
+
+    def _crit_to_ring(self, plan: StepPlan, layer: int, slot_k: torch.Tensor, slot_v: torch.Tensor) -> None:
+        """Copy ``layer``'s in-place sets (:attr:`_crit`) into the ring slot's columns ``[n_res, ...)``
+        and stop reading them in place this step (a layer the fused attention does not take)."""
+        crit = self._crit[layer]
+        ok = (crit >= 0).flatten()
+        src = flat_rows(crit.clamp(min=0))[ok]
+        dst = ring_rows(torch.arange(plan.num_rows), crit.shape[1], slot_k.shape[2], plan.n_res, crit.shape[2])[ok]
+        hk, hv, d = self.host.k[layer], self.host.v[layer], slot_k.shape[3]
+        native_kernel.gather_rows(hk.view(-1, d), hv.view(-1, d), slot_k.view(-1, d), slot_v.view(-1, d), src, dst)
+        self.tally.copied += 2 * int(src.numel()) * d * slot_k.element_size()
+        crit.fill_(-1)
+
     def _assemble_fast(self, plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values) -> torch.Tensor:
         """:meth:`layer_inputs`' resident set, speculated K/V and folded queries on the fast path: two
         C row copies and one ``index_select`` (rows from :meth:`layer_rows`). Returns the queries."""
         d = k_buf.shape[2]
         rows = self.layer_rows(plan, q3.shape[1], slot_k.shape)
         row_bytes = d * k_buf.element_size()
-        st, hkv = q3.stride(), k_buf.shape[1]
-        fused = (q3.dtype in (torch.bfloat16, torch.float32) and st[2] == 1 and st[1] == d and v_buf.shape[2] == d
-                 and plan.positions * (q3.shape[1] // hkv) <= native_kernel.MAX_QUERIES
-                 and d <= native_kernel.MAX_HEAD_DIM)  # fmt: skip
+        hkv = k_buf.shape[1]
+        fused = self._fused(plan, q3, k_buf, v_buf)
         if not fused or plan.exact_rows:  # the fused kernel reads the resident set from the pool itself
             native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(),
                                                 slot_v.data_ptr(), rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
@@ -413,7 +474,7 @@ class SparseStepRunner:
             rows = self._rows
             slot_k, slot_v, pool_k, pool_v = self._slot
             native_kernel.sparse_attend(q3, rows.q_tok, slot_k, slot_v, rows.mask, out, rows.out_tok, scale,
-                                        (pool_k, pool_v, rows.res_slots))  # fmt: skip
+                                        (pool_k, pool_v, rows.res_slots), self._crit_layer)  # fmt: skip
             return
         self.scatter_output(plan, attention.run(q, keys, values, scale), out)
 
@@ -446,9 +507,15 @@ class SparseStepRunner:
             j = where[b]
             yield b, keys[j][:, cols].transpose(0, 1).contiguous(), values[j][:, cols].transpose(0, 1).contiguous()
 
-    def _put(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
+    def _put(self, plan: StepPlan, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
         """Gather host-tier K/V at ``slots`` (``[n, Hkv, w]``) into columns ``[c0, c0 + w)`` of plan
-        rows ``rows`` of the layer's ring slot (a synchronous copy: a selection at attention time)."""
+        rows ``rows`` of the layer's ring slot (a synchronous copy: a selection at attention time);
+        with in-place reads (:attr:`_crit`) only record the slots there."""
+        if self._crit is not None:
+            j = c0 - plan.n_res
+            self._crit[layer, rows, :, j : j + slots.shape[2]] = slots
+            self.tally.copied += 2 * int(slots.numel()) * self.host.k.shape[3] * self.host.k.element_size()
+            return
         k_slot, v_slot = self.ring.slot(layer)
         n = self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, rows, c0, slots.shape[2],
                              layer % self.ring.n_slots)  # fmt: skip
@@ -458,7 +525,7 @@ class SparseStepRunner:
         index = self._index_of(g.selector)
         q = _selection_queries(q3, g.query, self.host.k.shape[2]).cpu()
         _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, index, layer)
-        self._put(layer, g.rows, slots, plan.n_res)
+        self._put(plan, layer, g.rows, slots, plan.n_res)
         if g.selector.lookahead:
             self.events.cold(g.selector.name, int(g.rows.numel()))
 
@@ -476,7 +543,7 @@ class SparseStepRunner:
         budget = plan.repair_budget
         slots = self._repair_scorer.repair(q, blocks, self.host.k[layer], plan.k, budget, plan.fixed_pos[layer][rows],
                                            plan.top_k[rows], scale, self.index("host"), layer)  # fmt: skip
-        self._put(layer, rows, slots, plan.n_res + plan.k)
+        self._put(plan, layer, rows, slots, plan.n_res + plan.k)
         self.tally.miss("repair", int(rows.numel()), int(rows.numel()) * slots.shape[1] * budget)
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
