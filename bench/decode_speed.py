@@ -5,7 +5,8 @@ Usage::
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
                                  [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
                                  [--select-worker] [--torch-kernel] [--unpacked-dense]
-                                 [--temperature 0.8] [--independent-sampling] [--selectors host_sync]
+                                 [--temperature 0.8] [--independent-sampling] [--inline-transfer]
+                                 [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -62,6 +63,11 @@ With ``--temperature T`` (> 0) every request samples (temperature T, top-p
 each cell's sparse default again there (``dualdecoder_sparse_independent``);
 ``coupled_over_independent`` is the default's (coupled sampling's) tokens/s
 over it: what the coupled draw costs, less what its fewer repairs save.
+With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
+``prefetch.transfer: inline`` (each layer's critical sets copied into the layer
+ring before attention, instead of read in place from the host tier, a CPU's
+default), its runs as ``dualdecoder_sparse_inline_transfer`` and
+``in_place_over_inline`` the default's tokens/s over it.
 With ``--selectors A,B`` each named selector also runs on the ``dualdecoder``
 server, per request (``custom_params.dd_selector``, the preset's speculator),
 as ``dualdecoder_sparse_A``, with ``A_over_sglang_dense`` and
@@ -168,6 +174,7 @@ RATIOS = (
     ("sparse_over_unpacked_dense", "dualdecoder_sparse", "sglang_dense_unpacked"),
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
     ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
+    ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
 )
 
 
@@ -213,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sample every request at this temperature (top-p 0.95, seeded); 0: greedy")  # fmt: skip
     ap.add_argument("--independent-sampling", action="store_true",
                     help="also run the sparse default on a server with prefetch.sampling: independent")  # fmt: skip
+    ap.add_argument("--inline-transfer", action="store_true",
+                    help="also run the sparse default on a server with prefetch.transfer: inline (critical sets "
+                         "copied into the ring, not read in place)")  # fmt: skip
     ap.add_argument("--selectors", default="",
                     help="comma list of further selectors run on the dualdecoder server per request "
                          "(custom_params.dd_selector), e.g. host_sync")  # fmt: skip
@@ -271,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     # Variant servers: the preset with one prefetch key changed, each cell's sparse default run there.
     variants = [("select_worker", "select", "worker", "dualdecoder_sparse_select_worker", args.select_worker),
                 ("torch_kernel", "kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
-                ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling)]  # fmt: skip
+                ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling),
+                ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer)]  # fmt: skip
     for backend, key, value, run_key, wanted in variants:
         if wanted:
             preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
@@ -340,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {x}: {r[x + '_over_sglang_dense']:.2f}x sglang dense, "
                   f"{r[x + '_over_sparse_default']:.2f}x the sparse default, passkeys "
                   f"{r['dualdecoder_sparse_' + x]['found']}/{r['dualdecoder_sparse_' + x]['total']}")  # fmt: skip
+        if "in_place_over_inline" in r:
+            print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
         if "coupled_over_independent" in r:
             print(f"    coupled/independent sampling {r['coupled_over_independent']:.2f}x")
         if "packed_over_unpacked_dense" in r:
