@@ -330,6 +330,35 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
 
 
+def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_take(monkeypatch):
+    """``transfer: in_place`` with a layer the fused attention does not take: that layer's sets (the
+    fixed rows' and a repair's) are copied into the ring slot after all and attended from there."""
+    from dd_sglang.prefetch.runner import SparseStepRunner
+
+    h = Harness(_kernel_params("native", transfer="in_place", miss_policy="repair", repair_budget=8, rerank=100),
+                top_k=24, selector="spec_host_exact")  # fmt: skip
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    cand_prev = h.st.host_candidates()
+    _, qs_prev, _ = h.step()
+    monkeypatch.setattr(SparseStepRunner, "_fused", staticmethod(lambda *a: False))
+    resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+    cand = h.st.host_candidates()
+    copied = h.events.copied_bytes
+    _, qs, outs = h.step(tok=99)  # rejected: repaired
+    assert h.backend.runner._crit is not None and (h.backend.runner._crit == -1).all()  # all went to the ring
+    assert h.events.copied_bytes - copied >= LAYERS * 2 * (24 + 8) * HKV * D * 4
+    for i in range(LAYERS):
+        chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)
+        q = qs[i][0][0]
+        s = gqa_token_scores(q, h.k_all[i][cand], SCALE)
+        sets = []
+        for kv in range(HKV):
+            order = cand[s[kv].argsort(descending=True)].tolist()
+            sets.append(chosen[kv] | set([p for p in order if p not in chosen[kv]][:8]) | set(resident))
+        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
 @pytest.mark.parametrize("real_query,accepted", [("always", True), ("after_miss", False), ("after_miss", True)])
 def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_query, accepted):
     """prefetch.real_query: the set fixed for the next step is the top-k of the max over the speculated

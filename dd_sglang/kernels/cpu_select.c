@@ -27,6 +27,23 @@
 #define MAXG 64
 #define MAXD 256
 
+/* The calling OpenMP thread's number and its team's size (0 and 1 in a build without OpenMP). */
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int thread_count(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -737,11 +754,7 @@ static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int
     const float *ksl = kscale + (int64_t)l * S * H;
 #pragma omp parallel num_threads(threads) reduction(| : rc)
     {
-#ifdef _OPENMP
-        int id = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int id = 0, nt = 1;
-#endif
+        int id = thread_id(), nt = thread_count();
         int blocks = (n + 15) / 16;
         int c0 = 16 * (int)((int64_t)blocks * id / nt), c1 = 16 * (int)((int64_t)blocks * (id + 1) / nt);
         approx_logits(Q, srow, cpos, n, c0, c1 < n ? c1 : n, q8l, ksl, H, G, D, simd, a);
@@ -783,11 +796,7 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
     }
 #pragma omp parallel num_threads(threads) reduction(| : rc)
     {
-#ifdef _OPENMP
-        int id = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int id = 0, nt = 1;
-#endif
+        int id = thread_id(), nt = thread_count();
         int t0 = (int)((int64_t)tasks * id / nt), t1 = (int)((int64_t)tasks * (id + 1) / nt);
         if (t1 > t0)
             rc |= dd_spec_host_select(L, R, H, G, D, P, S, q, slots, ok, q8, kscale, keys, key_bf16, k, m, scale,
@@ -1103,11 +1112,17 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
         kp[c] = kb0 + off;
         vp[c] = vb0 + off;
     }
-    /* scores s[j n + i] = scale q_j . k_{cols[i]} */
+    /* scores s[j n + i] = scale q_j . k_{cols[i]}; each K (then V) row's lines are prefetched a
+     * block ahead: read in place from the host tier, consecutive columns are scattered rows */
+    const int row_bytes = D * esz;
+    for (int c = 0; c < n && c < 16; c++)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(kp[c] + b);
     int i = 0;
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
         for (; i + 16 <= n; i += 16) {
+            for (int u = i + 16; u < n && u < i + 32; u++)
+                for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(kp[u] + b);
             for (int u = 0; u < 16; u++) kv_row(kp[i + u], kv_bf16, D, kb[u]);
             for (int j = 0; j < Q; j++) {
                 __m512 acc[16];
@@ -1157,7 +1172,11 @@ static void attend_task(int r, int h, int H, int G, int P, int D, int N, int64_t
         for (int d = 0; d < D; d++) o[j][d] = 0.0f;
     }
     /* o_j = sum_i w_ji v_i */
+    for (int c = 0; c < n && c < 8; c++)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(vp[c] + b);
     for (i = 0; i < n; i++) {
+        if (i + 8 < n)
+            for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(vp[i + 8] + b);
         kv_row(vp[i], kv_bf16, D, row);
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
@@ -1204,11 +1223,7 @@ int dd_sparse_attend(int R, int H, int G, int P, int D, int N, int64_t ncols, co
         float(*qo)[MAXD] = aligned_alloc(64, sizeof(float) * 2 * (size_t)P * G * MAXD); /* queries, outputs */
         const char **kp = malloc(sizeof(char *) * 2 * (size_t)N), **vp = kp ? kp + N : NULL;
         if (!cols || !s || !kb || !qo || !kp) rc = 1;
-#ifdef _OPENMP
-        int id = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int id = 0, nt = 1;
-#endif
+        int id = thread_id(), nt = thread_count();
         for (int t = id; t < tasks && !rc; t += nt)
             attend_task(t / H, t % H, H, G, P, D, N, ncols, q, q_stride, q_tok, k, v, mask, out, out_stride, out_tok,
                         act_bf16, kv_bf16, scale, cols, s, kb, qo, qo + P * G, pool_k, pool_v, res, n_res, host_k,
