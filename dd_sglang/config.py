@@ -143,7 +143,9 @@ class PrefetchSection(_Strict):
     needs them, ``in_place`` (a CPU device with the C kernel; elsewhere as
     ``inline``) copies nothing: attention reads each critical set from the host
     tier by slot, where the host tier and the device pool are the same memory;
-    ``auto`` picks ``worker`` on CUDA and ``in_place`` on a CPU.
+    ``auto`` picks ``worker`` on CUDA and, on a CPU, ``in_place`` for a step of
+    at least 6 (row, KV head) pairs (the fused attention's threaded size), else
+    ``inline``.
     ``select``: where step t+1's selection runs: ``worker`` (a thread beside
     the forward pass: on CUDA it overlaps GPU compute; on a CPU it runs its
     ops on one intra-op thread), ``inline`` (on the

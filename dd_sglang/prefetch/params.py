@@ -25,7 +25,8 @@ class PrefetchParams:
         transfer: ``worker`` (copies on the copy worker, overlapping the layers before),
             ``inline`` (on the forward thread when the layer needs them) or ``in_place`` (CPU fast
             path: no copy, attention reads the critical sets from the host tier by slot; elsewhere
-            as ``inline``); ``auto``: ``worker`` on CUDA, ``in_place`` on a CPU device.
+            as ``inline``); ``auto``: ``worker`` on CUDA; on a CPU device ``in_place`` for a step of
+            at least 6 (row, KV head) pairs, else ``inline``.
         branches: ``dual_token`` rides up to this many tokens (1 or 2): with 2, an unconfident
             argmax rides with the second most likely token and the selector ranks by both.
         confident: top-1 probability at or above which one token rides.

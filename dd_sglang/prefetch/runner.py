@@ -20,7 +20,7 @@ The attention backend calls, per decode step and layer::
    columns each query reads).
 
 With ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU device with the C
-kernel) nothing is copied in step 1, nor for the sync rows and repairs in step
+kernel, for a step of at least 6 (row, KV head) pairs) nothing is copied in step 1, nor for the sync rows and repairs in step
 2: the step keeps each layer's critical sets as host slots (``[layers, R, Hkv,
 k + repair_budget]``, -1 where a column is not read in place) and the fused C
 attention reads those rows from the host tier itself, as it reads the
@@ -212,8 +212,9 @@ class SparseStepRunner:
         #: CPU with the C kernel: each layer's moves are single indexed copies over the rows of
         #: :mod:`~dd_sglang.prefetch.layer_rows`, built once per step.
         self.fast = self.gather.native and host.k.is_contiguous()  # gather.native: a CPU ring
-        #: CPU fast path, ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU): the fused attention
-        #: reads the critical sets from the host tier by slot (:attr:`_crit`); no ring copy.
+        #: CPU fast path, ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU, per step: see
+        #: :meth:`_reads_in_place`): the fused attention reads the critical sets from the host tier
+        #: by slot (:attr:`_crit`); no ring copy.
         self.in_place = self.fast and host.v.is_contiguous() and (params.transfer == "in_place"
                                                                    or (params.transfer == "auto" and cpu))  # fmt: skip
         #: The step's in-place critical sets: ``[layers, R, Hkv, k + repair_budget]`` host slots, -1
@@ -304,13 +305,26 @@ class SparseStepRunner:
             return None
         hkv, d = self.host.k.shape[2], self.host.k.shape[3]
         self.ring.reserve(plan.num_rows, hkv, plan.columns, d)
-        self._crit = self._in_place_sets(plan) if self.in_place and self.ring.dtype == self.host.k.dtype else None
+        self._crit = self._in_place_sets(plan) if self._reads_in_place(plan) else None
         if plan.n_fixed and self._crit is None:
             self.schedule.begin_step(list(range(self.host.layer_num)), self._gather_fn(plan))
         else:
             self.schedule.end_step()
         self.events.phase("plan", time.perf_counter() - plan.started)
         return plan
+
+    def _reads_in_place(self, plan: StepPlan) -> bool:
+        """Whether the step's attention reads its critical sets in place (:attr:`in_place`).
+
+        With ``prefetch.transfer`` ``auto``, only a step with at least
+        :data:`~dd_sglang.kernels.native.ATTEND_PARALLEL_TASKS` (row, KV head) tasks: below that the
+        attention runs on one thread, and scattered host rows read there cost more than a copy on
+        every thread (``bench/results/decode_speed_cpu.json``, commit 473b559: in place over inline
+        0.97x at batch 1, 1.05x at 4k x 8)."""
+        if not self.in_place or self.ring.dtype != self.host.k.dtype:
+            return False
+        return self.params.transfer == "in_place" or (
+            plan.num_rows * self.host.k.shape[2] >= native_kernel.ATTEND_PARALLEL_TASKS)
 
     def _in_place_sets(self, plan: StepPlan) -> torch.Tensor | None:
         """The step's :attr:`_crit` table with the fixed rows' sets (the columns each row's mask

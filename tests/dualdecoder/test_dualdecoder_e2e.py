@@ -204,10 +204,10 @@ def test_every_combination_at_top_256_finds_the_passkey(dd_server, combo_prompt,
         assert 0 < hits <= lookups
         mass = delta(after, before, f"dd_prefetch_mass_prefetched_total{lab}")
         assert 0 < mass <= delta(after, before, f"dd_prefetch_mass_top_k_total{lab}") + 1e-6
-        # Every layer of every step after the cold one brought its set from the host tier, 256 tokens x
-        # 3 KV heads x 64, K and V: read in place by the fused attention on a CPU device
-        # (prefetch.transfer auto), so no layer copied anything into the ring.
-        assert delta(after, before, "dd_transfer_copy_seconds_count") == 0
+        # Every layer of every step after the cold one copied its set into the layer ring, 256 tokens x
+        # 3 KV heads x 64, K and V (prefetch.transfer auto on a CPU: one request is 3 (row, KV head)
+        # tasks, too few to read in place, so the copy runs inline).
+        assert delta(after, before, "dd_transfer_copy_seconds_count") >= (steps - 1) * N_LAYERS
         copied = delta(after, before, "dd_transfer_bytes_total")
         assert copied >= (steps - 1) * N_LAYERS * 256 * kv_row_bytes(dd_server)
     else:
