@@ -330,6 +330,18 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
 
 
+@pytest.mark.parametrize("transfer,rows,reads", [("auto", 1, False), ("auto", 2, True), ("in_place", 1, True),
+                                                  ("inline", 2, False)])  # fmt: skip
+def test_auto_transfer_reads_in_place_from_six_row_kv_head_pairs(transfer, rows, reads):
+    """``transfer: auto`` on a CPU reads in place only a step of at least 6 (row, KV head) pairs (the
+    fused attention's threaded size): 2 rows of 3 KV heads, not 1; ``in_place`` always."""
+    h = Harness(_kernel_params("native", transfer=transfer), top_k=24, selector="spec_host_exact")
+    h.step()  # builds the runner
+    runner = h.backend.runner
+    assert HKV * 2 >= native_kernel.ATTEND_PARALLEL_TASKS > HKV
+    assert runner._reads_in_place(SimpleNamespace(num_rows=rows)) is reads
+
+
 def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_take(monkeypatch):
     """``transfer: in_place`` with a layer the fused attention does not take: that layer's sets (the
     fixed rows' and a repair's) are copied into the ring slot after all and attended from there."""
