@@ -359,16 +359,7 @@ def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_ta
     _, qs, outs = h.step(tok=99)  # rejected: repaired
     assert h.backend.runner._crit is not None and (h.backend.runner._crit == -1).all()  # all went to the ring
     assert h.events.copied_bytes - copied >= LAYERS * 2 * (24 + 8) * HKV * D * 4
-    for i in range(LAYERS):
-        chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)
-        q = qs[i][0][0]
-        s = gqa_token_scores(q, h.k_all[i][cand], SCALE)
-        sets = []
-        for kv in range(HKV):
-            order = cand[s[kv].argsort(descending=True)].tolist()
-            sets.append(chosen[kv] | set([p for p in order if p not in chosen[kv]][:8]) | set(resident))
-        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+    _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident)
 
 
 @pytest.mark.parametrize("real_query,accepted", [("always", True), ("after_miss", False), ("after_miss", True)])
@@ -411,14 +402,20 @@ def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_specul
     cand = h.st.host_candidates()
     fb, qs, outs = h.step(tok=99)  # not the speculated token: rejected, repaired
     assert fb.dd_step is None
+    _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident)
+
+
+def _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident, k=24, budget=8):
+    """Each layer's real query attended to the resident set, the ``k`` its previous speculated query
+    chose among ``cand_prev``, and the real query's ``budget`` best candidates not among them."""
     for i in range(LAYERS):
-        chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)
+        chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, k)
         q = qs[i][0][0]
         s = gqa_token_scores(q, h.k_all[i][cand], SCALE)
         sets = []
         for kv in range(HKV):
             order = cand[s[kv].argsort(descending=True)].tolist()
-            extra = [p for p in order if p not in chosen[kv]][:8]  # the best 8 not prefetched
+            extra = [p for p in order if p not in chosen[kv]][:budget]  # the best not prefetched
             sets.append(chosen[kv] | set(extra) | set(resident))
         torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
