@@ -157,7 +157,11 @@ TRANSFER_WAIT_SECONDS = Histogram(
 )
 TRANSFER_COPY_SECONDS = Histogram(
     "dd_transfer_copy_seconds",
-    "Per layer and decode step: duration of the layer's critical-set gather and copy on the copy worker.",
+    "Per layer and decode step: duration of the copy of the layer's critical sets fixed ahead (lookahead and full "
+    "rows) into the layer ring: on the copy worker (CUDA) or inline on the forward thread (CPU: prefetch.transfer "
+    "inline, or auto below 6 (row, KV head) pairs a step). Not recorded for a step that reads its sets in place; "
+    "the copies of synchronous selections (host_sync, oracle, quest_device) and repairs are timed in "
+    "dd_step_phase_seconds_total{phase=\"select\"}.",
     buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5),
 )
 TRANSFER_HIDDEN_SECONDS = Counter(

@@ -54,6 +54,7 @@ the key indexes, the layer ring and the schedule.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -74,6 +75,8 @@ from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
 
 #: Inline selection: largest float32 score tensor (layers x rows x candidates x query heads x 4 B)
 #: one chunk of layers may make; at most :data:`SELECT_CHUNK_LAYERS` layers a chunk.
+logger = logging.getLogger(__name__)
+
 SELECT_CHUNK_BYTES = 3 << 20
 SELECT_CHUNK_LAYERS = 10
 
@@ -222,6 +225,10 @@ class SparseStepRunner:
         self._crit: torch.Tensor | None = None
         self._crit_rows = 0  # host rows (K or V, per KV head) the step's fixed rows read in place, per layer
         self._crit_layer: tuple | None = None  # the current layer's in-place sets, for attend()
+        mode = ("worker" if not inline else "in place (from 6 (row, KV head) pairs a step, else inline)"
+                if self.in_place and params.transfer == "auto" else "in place" if self.in_place else "inline")
+        logger.info("dd_sglang critical-set transfer: %s; selection kernel: %s", mode,
+                    "C" if self.native else "PyTorch")  # fmt: skip
         self._rows_for: tuple | None = None  # (plan, query heads, slot shape) of self._rows
         self._rows: LayerRows | None = None
         self._sel_buf: list[torch.Tensor] = []  # fast inline selection: per ahead group [L, n, Q x Hq, D]
