@@ -64,7 +64,7 @@ import torch
 from dd_sglang.kernels import native as native_kernel
 from dd_sglang.kernels.sparse_decode import fold_gqa, unfold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.gather import RingGather, flat_rows, ring_rows
+from dd_sglang.prefetch.gather import RingGather, flat_rows
 from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
 from dd_sglang.prefetch.layer_rows import LayerRows, build_layer_rows, fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
@@ -225,8 +225,9 @@ class SparseStepRunner:
         self._crit: torch.Tensor | None = None
         self._crit_rows = 0  # host rows (K or V, per KV head) the step's fixed rows read in place, per layer
         self._crit_layer: tuple | None = None  # the current layer's in-place sets, for attend()
-        mode = ("worker" if not inline else "in place (from 6 (row, KV head) pairs a step, else inline)"
-                if self.in_place and params.transfer == "auto" else "in place" if self.in_place else "inline")
+        mode = "worker" if not inline else "in place" if self.in_place else "inline"
+        if self.in_place and params.transfer == "auto":
+            mode += " from 6 (row, KV head) pairs a step, else inline"
         logger.info("dd_sglang critical-set transfer: %s; selection kernel: %s", mode,
                     "C" if self.native else "PyTorch")  # fmt: skip
         self._rows_for: tuple | None = None  # (plan, query heads, slot shape) of self._rows
@@ -419,15 +420,16 @@ class SparseStepRunner:
         if plan.sync or plan.repair_rows.numel():
             self.tally.phase("select", t1 - t0)
         fast = self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous()
+        fused = fast and self._fused(plan, q3, k_buf, v_buf)
         self._crit_layer = None
         if self._crit is not None:
-            if fast and self._fused(plan, q3, k_buf, v_buf):
+            if fused:
                 self._crit_layer = (self.host.k[layer], self.host.v[layer], self._crit[layer], plan.n_res)
                 self.tally.copied += 2 * self._crit_rows * k_buf.shape[2] * k_buf.element_size()
             else:  # this layer cannot read in place after all: its sets go into the ring slot
                 self._crit_to_ring(plan, layer, slot_k, slot_v)
         if fast:
-            q = self._assemble_fast(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values)
+            q = self._assemble_fast(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values, fused)
             self.tally.phase("assemble", time.perf_counter() - t1)
             return q, keys, values  # q None: attend() runs the fused kernel over the slot
         n_res = plan.n_res
@@ -451,23 +453,20 @@ class SparseStepRunner:
     def _crit_to_ring(self, plan: StepPlan, layer: int, slot_k: torch.Tensor, slot_v: torch.Tensor) -> None:
         """Copy ``layer``'s in-place sets (:attr:`_crit`) into the ring slot's columns ``[n_res, ...)``
         and stop reading them in place this step (a layer the fused attention does not take)."""
-        crit = self._crit[layer]
-        ok = (crit >= 0).flatten()
-        src = flat_rows(crit.clamp(min=0))[ok]
-        dst = ring_rows(torch.arange(plan.num_rows), crit.shape[1], slot_k.shape[2], plan.n_res, crit.shape[2])[ok]
-        hk, hv, d = self.host.k[layer], self.host.v[layer], slot_k.shape[3]
-        native_kernel.gather_rows(hk.view(-1, d), hv.view(-1, d), slot_k.view(-1, d), slot_v.view(-1, d), src, dst)
-        self.tally.copied += 2 * int(src.numel()) * d * slot_k.element_size()
+        crit = self._crit[layer]  # a -1 column is masked (never read): any host row may fill it
+        self.tally.copied += self.gather.copy(layer, flat_rows(crit.clamp(min=0)), slot_k, slot_v,
+                                              slice(0, plan.num_rows), plan.n_res, crit.shape[2],
+                                              layer % self.ring.n_slots)  # fmt: skip
         crit.fill_(-1)
 
-    def _assemble_fast(self, plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values) -> torch.Tensor:
+    def _assemble_fast(self, plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values, fused) -> torch.Tensor:
         """:meth:`layer_inputs`' resident set, speculated K/V and folded queries on the fast path: two
-        C row copies and one ``index_select`` (rows from :meth:`layer_rows`). Returns the queries."""
+        C row copies and one ``index_select`` (rows from :meth:`layer_rows`). Returns the queries, or
+        None where ``fused`` (:meth:`_fused`): attend() then runs the fused kernel."""
         d = k_buf.shape[2]
         rows = self.layer_rows(plan, q3.shape[1], slot_k.shape)
         row_bytes = d * k_buf.element_size()
         hkv = k_buf.shape[1]
-        fused = self._fused(plan, q3, k_buf, v_buf)
         if not fused or plan.exact_rows:  # the fused kernel reads the resident set from the pool itself
             native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(),
                                                 slot_v.data_ptr(), rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
