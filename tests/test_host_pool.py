@@ -135,3 +135,48 @@ def test_host_memory_check_replaces_sglangs_hicache_reserve(monkeypatch):
     pool = hp.HostSparseKVPool(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32,
                                capacity_bytes=4 * 10**6, page_size=8)  # fmt: skip
     assert pool.capacity_bytes <= 4 * 10**6
+
+
+def _vma_field(addr: int, field: str) -> str | None:
+    """``field`` of the /proc/self/smaps mapping that holds ``addr`` (None: no such line)."""
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= addr < hi
+            elif found and line.startswith(field + ":"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def test_host_buffers_are_zeros_on_a_huge_page_boundary_and_advised():
+    from dd_sglang.kvcache.host_memory import HUGE_PAGE_BYTES, host_zeros, transparent_huge_pages
+
+    t = host_zeros((2, 4096, H, D), torch.bfloat16)  # 3 MiB
+    assert t.shape == (2, 4096, H, D) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0 and not t.any()
+    small = host_zeros((3, 5), torch.float32)  # under a huge page: no padding, still zeros
+    assert small.tolist() == [[0.0] * 5] * 3
+    view = t[1, 7]
+    t.fill_(1.5)
+    addr = t.data_ptr()
+    del t  # the view keeps the mapping alive
+    assert view.float().eq(1.5).all()
+    if transparent_huge_pages() in ("always", "madvise"):
+        assert _vma_field(addr, "THPeligible") in ("1", None)  # None: a kernel without the line
+    with pytest.raises(ValueError, match=r"shape\[1\] must be >= 0"):
+        host_zeros((2, -1), torch.int8)
+
+
+def test_pool_and_index_buffers_are_host_zeros():
+    from dd_sglang.kvcache.host_memory import HUGE_PAGE_BYTES
+    from dd_sglang.prefetch.index import QuantKeyIndex
+
+    p = _pool(tokens=512, page=16)  # K and V of 528 slots: 5.8 MiB each
+    assert p.k.data_ptr() % HUGE_PAGE_BYTES == 0 and p.v.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not p.k.any() and not p.v.any()
+    idx = QuantKeyIndex(p.k)
+    assert idx.q8.data_ptr() % HUGE_PAGE_BYTES == 0 and not idx.q8.any()
+    assert idx.nbytes == L * 528 * H * (D + 4)

@@ -12,6 +12,8 @@ its pinning policy. What differs from SGLang's ``MHATokenToKVPoolHost``:
 * Capacity is given in bytes (``host_tier_bytes``) and rounded down to whole pages.
 * :meth:`alloc` returns a copy of the free-list slice, never a view (SGLang
   issue #19332: views of the free list kept host RSS alive).
+* Unpinned buffers are advised onto transparent huge pages (:mod:`dd_sglang.kvcache.host_memory`):
+  the sparse step reads them at scattered rows.
 * It is built from plain geometry, not from a device pool's pointer tables,
   so it works on the CPU platform.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
+from dd_sglang.kvcache.host_memory import host_zeros
 from dd_sglang.kvcache.params import HOST_MEMORY_MARGIN_BYTES, host_memory_available_bytes
 
 
@@ -116,8 +119,8 @@ class HostSparseKVPool(HostKVCache):
 
     def init_kv_buffer(self):
         shape = (self.layer_num, self.size, self.head_num, self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin_memory)
-        self.v = torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+        self.k = host_zeros(shape, self.dtype, pin_memory=self.pin_memory)
+        self.v = host_zeros(shape, self.dtype, pin_memory=self.pin_memory)
         return [self.k, self.v]
 
     @property

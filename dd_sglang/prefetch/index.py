@@ -58,12 +58,20 @@ from functools import cached_property
 import torch
 
 from dd_sglang.kernels import native as native_kernel
+from dd_sglang.kvcache.host_memory import host_zeros
 
 #: Tokens summarised by one index entry (Quest's default page size).
 BLOCK_TOKENS = 16
 #: A row split over more host-tier runs than this is scored from one gather instead of a GEMM
 #: per run (a fragmented tier: per-call overhead would then exceed the gather's copy).
 MAX_RUNS = 16
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros on ``device``; in host memory, on huge pages (:func:`~dd_sglang.kvcache.host_memory.host_zeros`)."""
+    if device.type == "cpu":
+        return host_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KeyBlockIndex:
@@ -85,8 +93,8 @@ class KeyBlockIndex:
         self.host_k = host_k
         self.device = torch.device(device)
         shape = (n_layers, slots // BLOCK_TOKENS, hkv, d)
-        self.mins = torch.zeros(shape, dtype=host_k.dtype, device=self.device)
-        self.maxs = torch.zeros(shape, dtype=host_k.dtype, device=self.device)
+        self.mins = _zeros(shape, host_k.dtype, self.device)
+        self.maxs = _zeros(shape, host_k.dtype, self.device)
 
     @property
     def nbytes(self) -> int:
@@ -156,8 +164,8 @@ class QuantKeyIndex:
         self.device = torch.device(device)
         self.native = (native and host_k.device.type == "cpu" and self.device.type == "cpu"
                        and host_k.is_contiguous())  # fmt: skip
-        self.q8 = torch.zeros((n_layers, slots, hkv, d), dtype=torch.int8, device=self.device)
-        self.scale = torch.zeros((n_layers, slots, hkv), dtype=torch.float32, device=self.device)
+        self.q8 = _zeros((n_layers, slots, hkv, d), torch.int8, self.device)
+        self.scale = _zeros((n_layers, slots, hkv), torch.float32, self.device)
 
     @property
     def nbytes(self) -> int:
