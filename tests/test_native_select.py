@@ -432,3 +432,21 @@ def test_the_c_copies_are_never_chosen_for_a_cuda_ring():
     hk = torch.zeros(1, 4, 3, 64)
     assert RingGather(hk, hk, "cpu", "cpu").native
     assert not RingGather(hk, hk, torch.device("cuda"), "cpu").native
+
+
+def test_select_kernel_bench_writes_both_layouts(tmp_path):
+    """``bench.select_kernel`` at a tiny size: both layouts timed every round, the ratio per round."""
+    import json
+
+    from bench.select_kernel import main
+
+    if not native.available():
+        pytest.skip(f"the C kernel is not built here: {native.unavailable_reason()}")
+    assert main(["--cells", "600x2", "--rounds", "2", "--calls", "3", "--k", "32", "--out", str(tmp_path / "s.json")]) == 0
+    out = json.loads((tmp_path / "s.json").read_text())
+    (cell,) = out["cells"]
+    assert (cell["tokens"], cell["rows"], out["settings"]["m"]) == (600, 2, 64)
+    for name in ("huge_pages", "base_pages"):
+        assert len(cell["rounds_ms"][name]) == 2 and all(x > 0 for x in cell["rounds_ms"][name])
+    lo, hi = cell["base_over_huge_range"]
+    assert 0 < lo <= cell["base_over_huge"] <= hi

@@ -1,0 +1,109 @@
+"""The C selection kernel alone: time per decode step's selection, host tier on huge pages or not.
+
+``spec_host``'s selection (``dd_sglang.kernels.native.spec_host_select``) reads the int8 key
+index of every candidate and the bf16 keys of the re-ranked ones, scattered over the host tier.
+This bench times it over buffers from :func:`dd_sglang.kvcache.host_memory.host_zeros` (advised
+onto 2 MiB transparent huge pages, what the server allocates) against the same data in plain
+:func:`torch.zeros` buffers (4 KiB pages), in one run: the two layouts alternate per round and the
+ratio is taken per round. SmolLM2-135M's geometry (30 layers, 3 KV heads x 3 queries, head_dim 64),
+random keys (seed 0), each request's positions on consecutive host slots as the server lays them
+out, ``k`` 256 and ``rerank`` 2 (the CPU preset), 10 layers a call (the default's chunk).
+
+Run: ``python -m bench.select_kernel --out bench/results/select_kernel_cpu.json`` (about 1 min;
+on a quiet machine: nothing else running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.client import write_result
+from dd_sglang.kernels import native
+from dd_sglang.kvcache.host_memory import host_zeros, transparent_huge_pages
+
+LAYERS, HKV, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M
+CHUNK = 10  # layers per call, the default's chunk
+
+
+def _buffers(rows: int, tokens: int, huge: bool) -> dict:
+    """The host tier's keys and int8 index for ``rows`` requests of ``tokens`` positions."""
+    slots_n = rows * tokens
+    make = host_zeros if huge else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    g = torch.Generator().manual_seed(0)
+    keys = make((LAYERS, slots_n, HKV, HEAD_DIM), torch.bfloat16)
+    keys.copy_(torch.randn(keys.shape, generator=g))
+    amax = keys.float().abs().amax(-1)
+    scale = make((LAYERS, slots_n, HKV), torch.float32)
+    scale.copy_(amax.clamp_min(1e-12) / 127)
+    q8 = make((LAYERS, slots_n, HKV, HEAD_DIM), torch.int8)
+    q8.copy_((keys.float() / scale[..., None]).round().clamp(-127, 127))
+    return {"keys": keys, "q8": q8, "scale": scale}
+
+
+def _step_seconds(buf: dict, rows: int, tokens: int, k: int, m: int, calls: int) -> float:
+    """Mean seconds of one decode step's selection (every layer, in chunks of :data:`CHUNK`)."""
+    slots = torch.arange(rows * tokens).view(rows, tokens)
+    ok = torch.ones(rows, tokens, dtype=torch.bool)
+    q = torch.randn(CHUNK, rows, HKV * GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    chunks = [slice(c, c + CHUNK) for c in range(0, LAYERS, CHUNK)]
+    t0 = time.perf_counter()
+    for i in range(calls):
+        ls = chunks[i % len(chunks)]
+        native.spec_host_select(q, slots, ok, buf["q8"][ls], buf["scale"][ls], buf["keys"][ls], k, m, 0.125)
+    return (time.perf_counter() - t0) / calls * len(chunks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.select_kernel", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--out", default="bench/results/select_kernel_cpu.json")
+    ap.add_argument("--cells", default="4000x8,7900x1", help="tokens x rows, comma-separated")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=30, help="kernel calls per round and layout")
+    ap.add_argument("--k", type=int, default=256)
+    ap.add_argument("--rerank", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    if not native.available():
+        print(f"the C kernel is not available: {native.unavailable_reason()}", file=sys.stderr)
+        return 1
+    m = int(-(-args.rerank * args.k // 1))
+    cells = []
+    for cell in args.cells.split(","):
+        tokens, rows = (int(x) for x in cell.split("x"))
+        bufs = {"huge_pages": _buffers(rows, tokens, True), "base_pages": _buffers(rows, tokens, False)}
+        for buf in bufs.values():  # warm: first touch and the kernel's first call
+            _step_seconds(buf, rows, tokens, args.k, m, 3)
+        per = {name: [] for name in bufs}
+        for r in range(args.rounds):
+            order = list(bufs) if r % 2 == 0 else list(reversed(bufs))
+            for name in order:
+                per[name].append(_step_seconds(bufs[name], rows, tokens, args.k, m, args.calls))
+        ratios = [b / h for b, h in zip(per["base_pages"], per["huge_pages"], strict=True)]
+        cells.append({
+            "tokens": tokens, "rows": rows,
+            "step_ms": {name: round(statistics.median(v) * 1e3, 2) for name, v in per.items()},
+            "rounds_ms": {name: [round(x * 1e3, 2) for x in v] for name, v in per.items()},
+            "base_over_huge": round(statistics.median(ratios), 3),
+            "base_over_huge_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        })  # fmt: skip
+        print(cells[-1])
+        del bufs
+    write_result({
+        "bench": "select_kernel", "command": "python -m bench.select_kernel " + " ".join(argv or sys.argv[1:]),
+        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "transparent_huge_pages": transparent_huge_pages()},
+        "settings": {"layers": LAYERS, "kv_heads": HKV, "group": GROUP, "head_dim": HEAD_DIM, "chunk": CHUNK,
+                     "k": args.k, "m": m, "rounds": args.rounds, "calls": args.calls},
+        "cells": cells,
+    }, args.out)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
