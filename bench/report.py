@@ -33,6 +33,35 @@ def _k_label(c: dict) -> str:
     return f"{c['k']} (1/{c['fraction']})"
 
 
+def lost_vs_oracle(res: dict, config: str, context: int, fraction: int) -> list[int]:
+    """Retrieval trials ``config`` misses while ``oracle`` at the same context and top_k finds them (trial numbers)."""
+    found = {(r["config"], r["trial"]): r["found"] for r in res["records"]
+             if r["part"] == "retrieval" and r["context"] == context and r["fraction"] == fraction}  # fmt: skip
+    return sorted(t for (c, t), f in found.items() if c == config and not f and found.get(("oracle", t)))
+
+
+def fidelity_summary(res: dict) -> str:
+    """Markdown: one row per context and top_k, retrieval and NLL x dense per configuration, trials lost vs oracle."""
+    configs = res["settings"]["configs"]
+    head = " | ".join(f"`{c}`" for c in configs)
+    others = [c for c in configs if c != "oracle"]
+    lines = [f"| context | top_k | dense | {head} | lost vs `oracle`: {', '.join(f'`{c}`' for c in others)} |",
+             "|---|---|---|" + "---|" * len(configs) + "---|"]  # fmt: skip
+    dense = {d["context"]: d for d in res["dense"]}
+    for n in res["settings"]["contexts"]:
+        d = dense[n]["retrieval"]
+        for f in res["settings"]["fractions"]:
+            cells = {c["config"]: c for c in res["cells"] if c["context"] == n and c["fraction"] == f}
+            row = [f"{n:,}", f"{n // f} (1/{f})", f"{d['found']}/{d['trials']}"]
+            for c in configs:
+                r, nl = cells[c]["retrieval"], cells[c]["nll"]
+                row.append(f"{r['found']}/{r['trials']}, {nl['ratio_to_dense']:.3f}")
+            lost = [len(lost_vs_oracle(res, c, n, f)) for c in others] if "oracle" in configs else []
+            row.append(" / ".join(str(x) for x in lost) or "–")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def fidelity_tables(res: dict) -> str:
     """Markdown: one table per context (dense first, then each configuration and k)."""
     lines = [f"Command: `{res.get('command', '?')}` ({res.get('wall_seconds', '?')} s); "
@@ -202,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if fid.exists():
         res = json.loads(fid.read_text())
         print("### Fidelity (bench.fidelity)\n")
+        print("Retrieval found / trials, NLL x dense, per configuration:\n")
+        print(fidelity_summary(res))
         print(fidelity_tables(res))
         folder = Path(args.plots) if args.plots else fid.parent
         plot_fidelity(res, folder / "fidelity_accuracy.png")

@@ -118,3 +118,20 @@ def test_steady_decode_counts_the_fullest_batch_and_skips_prefill_stalls():
     assert r["steady_decode_tokens_per_second"] == pytest.approx(20.0)
     with pytest.raises(ValueError, match="two tokens"):
         steady_decode([[1.0], []])
+
+
+def test_fidelity_summary_counts_trials_lost_against_oracle():
+    from bench.report import fidelity_summary, lost_vs_oracle
+
+    def rec(config, trial, found):
+        return {"part": "retrieval", "context": 2000, "fraction": 8, "config": config, "trial": trial, "found": found}
+
+    records = [rec("oracle", 0, True), rec("oracle", 1, True), rec("oracle", 2, False),
+               rec("default", 0, False), rec("default", 1, True), rec("default", 2, True)]  # fmt: skip
+    cell = lambda c, f, nll: {"context": 2000, "fraction": 8, "config": c,  # noqa: E731
+                              "retrieval": {"found": f, "trials": 3}, "nll": {"ratio_to_dense": nll}}
+    res = {"settings": {"configs": ["oracle", "default"], "contexts": [2000], "fractions": [8]},
+           "dense": [{"context": 2000, "retrieval": {"found": 2, "trials": 3}}],
+           "cells": [cell("oracle", 2, 1.0012), cell("default", 2, 1.0049)], "records": records}  # fmt: skip
+    assert lost_vs_oracle(res, "default", 2000, 8) == [0]  # trial 2: found where oracle missed, not a loss
+    assert fidelity_summary(res).splitlines()[2] == "| 2,000 | 250 (1/8) | 2/3 | 2/3, 1.001 | 2/3, 1.005 | 1 |"
