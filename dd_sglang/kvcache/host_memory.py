@@ -6,8 +6,9 @@ pages nearly each such row costs a TLB miss (a SmolLM2 row is 384 B of keys, a 4
 request's candidates 3 KiB apart). Buffers from :func:`host_zeros` are anonymous mappings
 advised ``MADV_HUGEPAGE`` (``madvise(2)``, Linux >= 2.6.38; Python's :mod:`mmap`), so that the
 kernel backs them with 2 MiB pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-``always`` or ``madvise``. On this project's CPU machines (THP ``madvise``) the selection
-kernel ran 15-20% faster over such buffers (``bench.decode_speed`` reports the step).
+``always`` or ``madvise``. On this project's CPU machine (THP ``madvise``) a decode step's
+selection ran 1.31x faster over such buffers at 4k tokens x 8 rows and 1.22x at 7.9k x 1
+(``python -m bench.select_kernel``, ``bench/results/select_kernel_cpu.json``).
 
 The advice changes no value: the buffer reads as zeros and behaves as any CPU tensor. Where the
 advice is unavailable (another OS, THP ``never``) the buffer is the same mapping with 4 KiB
