@@ -26,6 +26,7 @@ import torch
 from bench.client import write_result
 from dd_sglang.kernels import native
 from dd_sglang.kvcache.host_memory import host_zeros, transparent_huge_pages
+from dd_sglang.prefetch.selectors import SpecHostSelector
 
 LAYERS, HKV, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M
 CHUNK = 10  # layers per call, the default's chunk
@@ -38,11 +39,9 @@ def _buffers(rows: int, tokens: int, huge: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     keys = make((LAYERS, slots_n, HKV, HEAD_DIM), torch.bfloat16)
     keys.copy_(torch.randn(keys.shape, generator=g))
-    amax = keys.float().abs().amax(-1)
-    scale = make((LAYERS, slots_n, HKV), torch.float32)
-    scale.copy_(amax.clamp_min(1e-12) / 127)
     q8 = make((LAYERS, slots_n, HKV, HEAD_DIM), torch.int8)
-    q8.copy_((keys.float() / scale[..., None]).round().clamp(-127, 127))
+    scale = make((LAYERS, slots_n, HKV), torch.float32)
+    native.quantize_keys(keys, torch.arange(slots_n), q8, scale)  # the server's index arithmetic
     return {"keys": keys, "q8": q8, "scale": scale}
 
 
@@ -72,10 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     if not native.available():
         print(f"the C kernel is not available: {native.unavailable_reason()}", file=sys.stderr)
         return 1
-    m = int(-(-args.rerank * args.k // 1))
+    try:
+        shapes = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(t) != 2 or min(t) < 1 for t in shapes):
+        ap.error(f"--cells must be TOKENSxROWS pairs of positive integers, comma-separated; got {args.cells!r}")
+    if args.k < 1 or args.rerank < 1:
+        ap.error(f"--k and --rerank must be >= 1, got {args.k} and {args.rerank}")
+    m = SpecHostSelector(args.rerank)._m(args.k)  # the candidates the server re-ranks
     cells = []
-    for cell in args.cells.split(","):
-        tokens, rows = (int(x) for x in cell.split("x"))
+    for tokens, rows in shapes:
         bufs = {"huge_pages": _buffers(rows, tokens, True), "base_pages": _buffers(rows, tokens, False)}
         for buf in bufs.values():  # warm: first touch and the kernel's first call
             _step_seconds(buf, rows, tokens, args.k, m, 3)

@@ -450,3 +450,15 @@ def test_select_kernel_bench_writes_both_layouts(tmp_path):
         assert len(cell["rounds_ms"][name]) == 2 and all(x > 0 for x in cell["rounds_ms"][name])
     lo, hi = cell["base_over_huge_range"]
     assert 0 < lo <= cell["base_over_huge"] <= hi
+
+
+@pytest.mark.parametrize("argv, needle", [(["--cells", "600"], "--cells"), (["--cells", "0x2"], "--cells"),
+                                          (["--k", "0"], "--k and --rerank")])  # fmt: skip
+def test_select_kernel_bench_rejects_bad_arguments(argv, needle, capsys):
+    from bench.select_kernel import main
+
+    if not native.available():
+        pytest.skip(f"the C kernel is not built here: {native.unavailable_reason()}")
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--out", "/nonexistent/never-written.json"])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err

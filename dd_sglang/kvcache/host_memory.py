@@ -64,8 +64,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool =
             raise ValueError(f"shape[{i}] must be >= 0, got {n}")
     if pin_memory:
         return torch.zeros(shape, dtype=dtype, pin_memory=True)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pad = HUGE_PAGE_BYTES if nbytes >= HUGE_PAGE_BYTES else 0  # room to start on a 2 MiB boundary

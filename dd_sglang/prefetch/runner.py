@@ -73,10 +73,10 @@ from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
 from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
 
-#: Inline selection: largest float32 score tensor (layers x rows x candidates x query heads x 4 B)
-#: one chunk of layers may make; at most :data:`SELECT_CHUNK_LAYERS` layers a chunk.
 logger = logging.getLogger(__name__)
 
+#: Inline selection: largest float32 score tensor (layers x rows x candidates x query heads x 4 B)
+#: one chunk of layers may make; at most :data:`SELECT_CHUNK_LAYERS` layers a chunk.
 SELECT_CHUNK_BYTES = 3 << 20
 SELECT_CHUNK_LAYERS = 10
 
