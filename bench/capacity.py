@@ -4,13 +4,23 @@ Usage::
 
     python -m bench.capacity [--out bench/results/capacity_cpu.json] [--requests 8]
                              [--max-total-tokens 8400] [--prompt-tokens 4200] [--new-tokens 32]
+                             [--rounds 1]
 
 For each backend (``torch_native``, ``dualdecoder``, then ``torch_native:room``),
 in one run: start a dd_sglang server whose device KV pool holds ``--max-total-tokens``
 tokens (8,400: two ~4k dense requests; ``:room``: every request at once, the dense
 path given the memory the sparse path saves), send ``--requests`` distinct ~4k-token passkey prompts
 at once (greedy, ``--new-tokens`` each, ``ignore_eos``), and sample the sidecar
-every 0.2 s. ``dualdecoder+SELECTOR`` in ``--backends`` runs the ``dualdecoder``
+every 0.2 s.
+
+``--rounds R`` > 1 starts every backend's server first (all up at once, one busy at a time;
+``dualdecoder`` and ``dualdecoder+SELECTOR`` share one server) and
+then runs R rounds; each round sends every backend the same fresh prompts (new passkeys and
+headers, so nothing is served from the radix cache), the backends' order rotated by one each
+round. A ratio is then taken within each round, between runs minutes apart, and the JSON gives
+its median over the rounds with the per-round values (``rounds``): the machine's speed drifts
+by up to ~1.5x from hour to hour here, which a single pass (backends one after another, each
+server started in turn) folds into the ratio. ``dualdecoder+SELECTOR`` in ``--backends`` runs the ``dualdecoder``
 server again with every request choosing that selector (``custom_params.dd_selector``).
 Recorded per backend:
 
@@ -45,6 +55,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -54,7 +65,7 @@ from pathlib import Path
 import httpx
 
 from bench.prompts import passkey_prompt
-from bench.server import scrape, start_server
+from bench.server import launch_server, scrape, start_server
 
 
 def steady_decode(times: list[list[float]]) -> dict:
@@ -80,19 +91,60 @@ def steady_decode(times: list[list[float]]) -> dict:
             "steady_decode_tokens_per_second": round(c / g, 3)}  # fmt: skip
 
 
+def backend_spec(spec: str) -> tuple[str, str, bool]:
+    """``(attention backend, selector or "", room)`` of a ``--backends`` entry (module docstring).
+
+    Raises ValueError naming ``--backends`` for an entry without a backend name.
+    """
+    backend, _, room = spec.partition(":")
+    backend, _, selector = backend.partition("+")
+    if not backend or room not in ("", "room"):
+        raise ValueError(f"--backends: {spec!r} is not NAME, NAME+SELECTOR or NAME:room")
+    return backend, selector, bool(room)
+
+
+def start_backend(spec: str, budget: int):
+    """Start the server of ``spec`` with a device KV pool of ``budget`` tokens (waits until healthy);
+    returns ``(server, its log path)``."""
+    backend, _, _ = backend_spec(spec)
+    log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
+    return start_server(log, budget, ["--attention-backend", backend], timeout=900), log
+
+
+def stop_backend(spec: str, srv, log: Path) -> dict:
+    """Stop ``srv``; a clean stop removes its log folder (else it stays for diagnosis)."""
+    rc, alive = srv.stop()
+    if rc == 0 and not alive:
+        shutil.rmtree(log.parent, ignore_errors=True)
+    else:
+        print(f"{spec}: server log kept in {log}", file=sys.stderr)
+    return {"exit_code": rc, "processes_left": alive}
+
+
+def room_budget(prompts: list[tuple[str, int, int]], new_tokens: int) -> int:
+    """Device pool (tokens) with room for every request densely: prompts + new tokens + 512."""
+    return sum(n for _, n, _ in prompts) + len(prompts) * new_tokens + 512
+
+
 def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
-    """One server, all prompts at once; see the module docstring for the figures.
+    """One server, all prompts at once, started and stopped here; see the module docstring."""
+    budget = room_budget(prompts, args.new_tokens) if backend_spec(spec)[2] else args.max_total_tokens
+    srv, log = start_backend(spec, budget)
+    try:
+        out = run_round(spec, srv, prompts, args)
+    finally:
+        shutdown = stop_backend(spec, srv, log)
+    return {"device_kv_budget_tokens": budget, "engine_start_seconds": round(srv.start_seconds, 1),
+            "peak_rss_bytes": srv.peak_rss_bytes, "shutdown": shutdown, **out}  # fmt: skip
+
+
+def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict:
+    """Send every prompt to the running server ``srv`` at once and measure (module docstring).
 
     ``spec``: a backend name, or ``name:room`` for a device pool with room for every request densely;
     ``dualdecoder+SELECTOR`` sends every request with ``custom_params.dd_selector`` = SELECTOR.
     """
-    backend, _, room = spec.partition(":")
-    backend, _, selector = backend.partition("+")
-    budget = args.max_total_tokens
-    if room:
-        budget = sum(n for _, n, _ in prompts) + len(prompts) * args.new_tokens + 512
-    log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
-    srv = start_server(log, budget, ["--attention-backend", backend], timeout=900)
+    backend, selector, _ = backend_spec(spec)
     samples: list[tuple[float, dict]] = []
     done = threading.Event()
     results: list[dict] = [{} for _ in prompts]
@@ -124,34 +176,25 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
                       "chunks": len(times), "tokens": usage["completion_tokens"] if usage else len(times), "start": t0,
                       "first_token": times[0] if times else None, "end": time.monotonic(), "times": times}  # fmt: skip
 
+    poller = threading.Thread(target=sample, daemon=True)
+    poller.start()
+    t0 = time.monotonic()
+    workers = [threading.Thread(target=run, args=(i, p, k)) for i, (p, _, k) in enumerate(prompts)]
     try:
-        poller = threading.Thread(target=sample, daemon=True)
-        poller.start()
-        t0 = time.monotonic()
-        workers = [threading.Thread(target=run, args=(i, p, k)) for i, (p, _, k) in enumerate(prompts)]
         for w in workers:
             w.start()
         for w in workers:
             w.join()
         wall = time.monotonic() - t0
+    finally:
         done.set()
         poller.join()
-    finally:
-        rc, alive = srv.stop()
-    if rc == 0 and not alive:  # a clean stop: its log and folder go (else they stay for diagnosis)
-        shutil.rmtree(log.parent, ignore_errors=True)
-    else:
-        print(f"{spec}: server log kept in {log}", file=sys.stderr)
     state = "DECODE_SPARSE" if backend == "dualdecoder" else "DENSE"
     key = f'dd_dualpath_requests{{state="{state}"}}'
     tokens = sum(r["tokens"] for r in results)
     first = min(r["first_token"] for r in results)
     end = max(r["end"] for r in results)
     return {
-        "device_kv_budget_tokens": budget,
-        "engine_start_seconds": round(srv.start_seconds, 1),
-        "peak_rss_bytes": srv.peak_rss_bytes,
-        "shutdown": {"exit_code": rc, "processes_left": alive},
         "found": sum(r["found"] for r in results),
         "total": len(results),
         "peak_concurrent_decoding": int(max(s.get(key, 0) for _, s in samples)),
@@ -170,6 +213,104 @@ def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
     }
 
 
+def round_prompts(tok, r: int, args) -> list[tuple[str, int, int]]:
+    """Round ``r``'s prompts ``(text, tokens, passkey)``: ``--requests`` ~``--prompt-tokens`` passkey
+    prompts, depths spread evenly; round 0's are the single-pass run's, later rounds change each
+    passkey and the header in the first line, so no round's prefix is cached from another's."""
+    prompts = []
+    for i in range(args.requests):
+        key = 10000 + (7919 * (r * args.requests + i + 1)) % 90000
+        header = f"Case {i}. " if r == 0 else f"Case {r}.{i}. "
+        p, n = passkey_prompt(tok, args.prompt_tokens, (i + 0.5) / args.requests, key, header=header)
+        prompts.append((p, n, key))
+    return prompts
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def run_rounds(specs: list[str], rounds: list[list[tuple[str, int, int]]], args) -> dict[str, dict]:
+    """Every backend's server up at once, then each round's prompts to each backend in turn, the
+    order rotated by one a round (module docstring). Returns spec -> its server's figures, ``rounds``
+    (one :func:`run_round` result a round) and the median of each rate over the rounds."""
+    room = max(room_budget(p, args.new_tokens) for p in rounds)
+    # one server per (backend, room): ``dualdecoder`` and ``dualdecoder+SELECTOR`` share one (the
+    # selector is a per-request override), so both run on the same process and its warm caches
+    kinds = {s: (backend_spec(s)[0], backend_spec(s)[2]) for s in specs}
+    budgets = {k: room if k[1] else args.max_total_tokens for k in kinds.values()}
+    servers = {}
+    try:
+        # launched together: start-ups are mostly single-threaded imports
+        for kind, budget in budgets.items():
+            log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
+            servers[kind] = (launch_server(log, budget, ["--attention-backend", kind[0]]), log)
+        for srv, _ in servers.values():
+            srv.wait_ready(900)
+        per_round: dict[str, list[dict]] = {s: [] for s in specs}
+        for r, prompts in enumerate(rounds):
+            for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
+                per_round[spec].append(run_round(spec, servers[kinds[spec]][0], prompts, args))
+                print(
+                    f"round {r} {spec}: steady {per_round[spec][-1]['steady_decode_tokens_per_second']} tok/s",
+                    file=sys.stderr,
+                )
+    finally:
+        shutdowns = {
+            kind: stop_backend("+".join(map(str, kind)), srv, log) for kind, (srv, log) in servers.items()
+        }
+    runs = {}
+    for spec in specs:
+        srv, rr = servers[kinds[spec]][0], per_round[spec]
+        runs[spec] = {
+            "device_kv_budget_tokens": budgets[kinds[spec]], "engine_start_seconds": round(srv.start_seconds, 1),
+            "peak_rss_bytes": srv.peak_rss_bytes, "shutdown": shutdowns[kinds[spec]],
+            "found": sum(x["found"] for x in rr), "total": sum(x["total"] for x in rr),
+            "peak_concurrent_decoding": max(x["peak_concurrent_decoding"] for x in rr),
+            "output_tokens": sum(x["output_tokens"] for x in rr),
+            "steady_concurrency": min(x["steady_concurrency"] for x in rr),
+            **{k: round(_median([x[k] for x in rr]), 3) for k in RATES},
+            "rounds": rr,
+        }  # fmt: skip
+    return runs
+
+
+#: Rates a ratio is reported for: ``(JSON key prefix, figure)``.
+RATIOS = (("", "output_tokens_per_second"), ("steady_decode_", "steady_decode_tokens_per_second"))
+#: Per-round figures whose median over the rounds a multi-round run reports.
+RATES = (
+    "output_tokens_per_second",
+    "decode_tokens_per_second",
+    "steady_decode_tokens_per_second",
+    "wall_seconds",
+)
+
+
+def ratios(runs: dict[str, dict]) -> dict:
+    """Each sparse run over each dense baseline, whole run and steady decode
+    (``dualdecoder_over_dense_same_budget``; ``dualdecoder_host_sync_over_...`` for
+    ``dualdecoder+host_sync``). With rounds: the median of the per-round ratios, and under
+    ``KEY_rounds`` each round's."""
+    out = {}
+    for spec, dd in runs.items():
+        if not spec.startswith("dualdecoder") or ":" in spec:
+            continue
+        for prefix, metric in RATIOS:
+            for base, name in (("torch_native", "same_budget"), ("torch_native:room", "with_room")):
+                if base not in runs:
+                    continue
+                key = f"{prefix}{spec.replace('+', '_')}_over_dense_{name}"
+                if "rounds" in dd:
+                    per = [
+                        a[metric] / b[metric] for a, b in zip(dd["rounds"], runs[base]["rounds"], strict=True)
+                    ]
+                    out[key] = round(_median(per), 3)
+                    out[f"{key}_rounds"] = [round(x, 3) for x in per]
+                else:
+                    out[key] = round(dd[metric] / runs[base][metric], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__)
     ap.add_argument("--out", default="bench/results/capacity_cpu.json")
@@ -177,41 +318,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=8400)
     ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target (~4k tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="1: each backend's server started in turn; R > 1: all servers up at once, R rounds "
+                         "of fresh prompts, backends rotated, ratios per round (module docstring)")  # fmt: skip
     ap.add_argument("--backends", default="torch_native,dualdecoder,torch_native:room",
                     help="backend names; name:room = a device pool with room for every request densely; "
                          "dualdecoder+SELECTOR = every request with custom_params.dd_selector SELECTOR")  # fmt: skip
     args = ap.parse_args(argv)
+    specs = args.backends.split(",")
+    if not 1 <= args.rounds <= 20:
+        ap.error(f"--rounds must be in [1, 20], got {args.rounds}")
+    if len(set(specs)) != len(specs):
+        ap.error(f"--backends: an entry repeats in {args.backends!r}")
+    for spec in specs:
+        try:
+            backend_spec(spec)
+        except ValueError as err:
+            ap.error(str(err))
 
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
-    prompts = []
-    for i in range(args.requests):
-        key = 10000 + (7919 * (i + 1)) % 90000
-        p, n = passkey_prompt(tok, args.prompt_tokens, (i + 0.5) / args.requests, key, header=f"Case {i}. ")
-        prompts.append((p, n, key))
-    runs = {b: run_backend(b, prompts, args) for b in args.backends.split(",")}
+    rounds = [round_prompts(tok, r, args) for r in range(args.rounds)]
+    if args.rounds == 1:
+        runs = {b: run_backend(b, rounds[0], args) for b in specs}
+    else:
+        runs = run_rounds(specs, rounds, args)
     result = {
         "benchmark": "concurrent ~4k-token requests in one device KV budget, dense vs dualdecoder (CPU)",
         "command": "python -m bench.capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "device_kv_budget_tokens": args.max_total_tokens,
-        "prompt_tokens": [n for _, n, _ in prompts],
+        "rounds": args.rounds,
+        "prompt_tokens": [[n for _, n, _ in p] for p in rounds]
+        if args.rounds > 1
+        else [n for _, n, _ in rounds[0]],
         "new_tokens_per_request": args.new_tokens,
         "backends": runs,
+        **ratios(runs),
     }
-    # each sparse run over each dense baseline, for the whole run and for steady decode
-    # (``dualdecoder_over_dense_same_budget``; ``dualdecoder_host_sync_over_...`` for ``dualdecoder+host_sync``)
-    for spec, dd in runs.items():
-        if not spec.startswith("dualdecoder") or ":" in spec:
-            continue
-        for prefix, metric in (("", "output_tokens_per_second"), ("steady_decode_", "steady_decode_tokens_per_second")):
-            for base, name in (("torch_native", "same_budget"), ("torch_native:room", "with_room")):
-                if base in runs:
-                    key = f"{prefix}{spec.replace('+', '_')}_over_dense_{name}"
-                    result[key] = round(dd[metric] / runs[base][metric], 3)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench.capacity import steady_decode
+from bench.capacity import backend_spec, ratios, round_prompts, steady_decode
 from bench.ceiling import set_scores
 from bench.stats import mean_ci, wilson
 from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
@@ -135,3 +135,44 @@ def test_fidelity_summary_counts_trials_lost_against_oracle():
            "cells": [cell("oracle", 2, 1.0012), cell("default", 2, 1.0049)], "records": records}  # fmt: skip
     assert lost_vs_oracle(res, "default", 2000, 8) == [0]  # trial 2: found where oracle missed, not a loss
     assert fidelity_summary(res).splitlines()[2] == "| 2,000 | 250 (1/8) | 2/3 | 2/3, 1.001 | 2/3, 1.005 | 1 |"
+
+
+def test_capacity_backend_spec_names_the_flag():
+    assert backend_spec("torch_native") == ("torch_native", "", False)
+    assert backend_spec("torch_native:room") == ("torch_native", "", True)
+    assert backend_spec("dualdecoder+host_sync") == ("dualdecoder", "host_sync", False)
+    for bad in ("", ":room", "torch_native:big"):
+        with pytest.raises(ValueError, match="--backends"):
+            backend_spec(bad)
+
+
+def test_capacity_rounds_get_fresh_prompts():
+    tok = SimpleNamespace(encode=str.split)  # one token per word
+    args = SimpleNamespace(requests=3, prompt_tokens=300)
+    r0, r1 = round_prompts(tok, 0, args), round_prompts(tok, 1, args)
+    keys = [k for _, _, k in r0 + r1]
+    assert len(set(keys)) == 6  # a fresh passkey per request and round
+    assert r0[0][2] == 10000 + 7919 % 90000  # round 0 = the single-pass run's prompts
+    assert all(str(k) in p for p, _, k in r0 + r1)
+    opening = len("<|im_start|>user\nCase 1.0. ")
+    # no two prompts open alike: nothing is served from the radix cache of another round
+    assert len({p[:opening] for p, _, _ in r0 + r1}) == 6
+
+
+def test_capacity_ratios_are_per_round_medians():
+    def rnd(steady, out):
+        return {"steady_decode_tokens_per_second": steady, "output_tokens_per_second": out}
+
+    runs = {
+        "torch_native": {"rounds": [rnd(10, 5), rnd(12, 6), rnd(8, 4)]},
+        "dualdecoder": {"rounds": [rnd(40, 10), rnd(60, 12), rnd(30, 12)]},
+    }
+    r = ratios(runs)
+    # per round steady 4.0, 5.0, 3.75 -> median 4.0; whole run 2.0, 2.0, 3.0 -> 2.0
+    assert r["steady_decode_dualdecoder_over_dense_same_budget_rounds"] == [4.0, 5.0, 3.75]
+    assert r["steady_decode_dualdecoder_over_dense_same_budget"] == 4.0
+    assert r["dualdecoder_over_dense_same_budget"] == 2.0
+    assert "dualdecoder_over_dense_with_room" not in r
+    single = ratios({"torch_native": rnd(10, 5), "dualdecoder": rnd(35, 10), "torch_native:room": rnd(20, 8)})
+    assert single["steady_decode_dualdecoder_over_dense_same_budget"] == 3.5
+    assert single["dualdecoder_over_dense_with_room"] == 1.25
