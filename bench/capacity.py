@@ -11,16 +11,19 @@ in one run: start a dd_sglang server whose device KV pool holds ``--max-total-to
 tokens (8,400: two ~4k dense requests; ``:room``: every request at once, the dense
 path given the memory the sparse path saves), send ``--requests`` distinct ~4k-token passkey prompts
 at once (greedy, ``--new-tokens`` each, ``ignore_eos``), and sample the sidecar
-every 0.2 s.
+every ``--sample-interval`` s (1 s; a scrape parses SGLang's and dd_sglang's whole
+``/metrics`` text, and the server's sidecar builds it: at 0.2 s the bench process alone used
+0.24 of a core on average over a run's first 12 minutes, on a machine whose two cores serve).
 
 ``--rounds R`` > 1 starts every backend's server first (all up at once, one busy at a time;
-``dualdecoder`` and ``dualdecoder+SELECTOR`` share one server) and
-then runs R rounds; each round sends every backend the same fresh prompts (new passkeys and
-headers, so nothing is served from the radix cache), the backends' order rotated by one each
-round. A ratio is then taken within each round, between runs minutes apart, and the JSON gives
-its median over the rounds with the per-round values (``rounds``): the machine's speed drifts
-by up to ~1.5x from hour to hour here, which a single pass (backends one after another, each
-server started in turn) folds into the ratio. ``dualdecoder+SELECTOR`` in ``--backends`` runs the ``dualdecoder``
+``dualdecoder`` and ``dualdecoder+SELECTOR`` share one server) and then runs R rounds; each
+round sends every backend the same fresh prompts (new passkeys and headers), the backends'
+order rotated by one each round, and every server's cache is flushed (``/flush_cache``) before
+each run, so no run is served from another's radix cache or host tier. A ratio is then taken
+within each round, between runs minutes apart, and the JSON gives its median over the rounds
+with the per-round values (``rounds``): the machine's speed drifts by up to ~1.5x from hour to
+hour here, which a single pass (backends one after another, each server started in turn)
+folds into the ratio. ``dualdecoder+SELECTOR`` in ``--backends`` runs the ``dualdecoder``
 server again with every request choosing that selector (``custom_params.dd_selector``).
 Recorded per backend:
 
@@ -65,7 +68,7 @@ from pathlib import Path
 import httpx
 
 from bench.prompts import passkey_prompt
-from bench.server import launch_server, scrape, start_server
+from bench.server import flush_when_idle, launch_server, scrape, start_server
 
 
 def steady_decode(times: list[list[float]]) -> dict:
@@ -152,7 +155,7 @@ def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict
     def sample():
         while not done.is_set():
             samples.append((time.monotonic(), scrape(srv.metrics_url)))
-            time.sleep(0.2)
+            time.sleep(args.sample_interval)
 
     def run(i: int, prompt: str, key: int):
         t0 = time.monotonic()
@@ -250,7 +253,11 @@ def run_rounds(specs: list[str], rounds: list[list[tuple[str, int, int]]], args)
         per_round: dict[str, list[dict]] = {s: [] for s in specs}
         for r, prompts in enumerate(rounds):
             for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
-                per_round[spec].append(run_round(spec, servers[kinds[spec]][0], prompts, args))
+                srv = servers[kinds[spec]][0]
+                flush_when_idle(
+                    srv
+                )  # nothing cached from the last run (dualdecoder+SELECTOR shares its prompts)
+                per_round[spec].append(run_round(spec, srv, prompts, args))
                 print(
                     f"round {r} {spec}: steady {per_round[spec][-1]['steady_decode_tokens_per_second']} tok/s",
                     file=sys.stderr,
@@ -318,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=8400)
     ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target (~4k tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--sample-interval", type=float, default=1.0, help="seconds between sidecar scrapes")
     ap.add_argument("--rounds", type=int, default=1,
                     help="1: each backend's server started in turn; R > 1: all servers up at once, R rounds "
                          "of fresh prompts, backends rotated, ratios per round (module docstring)")  # fmt: skip
@@ -328,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = args.backends.split(",")
     if not 1 <= args.rounds <= 20:
         ap.error(f"--rounds must be in [1, 20], got {args.rounds}")
+    if not 0.05 <= args.sample_interval <= 10:
+        ap.error(f"--sample-interval must be in [0.05, 10] s, got {args.sample_interval}")
     if len(set(specs)) != len(specs):
         ap.error(f"--backends: an entry repeats in {args.backends!r}")
     for spec in specs:

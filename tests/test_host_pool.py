@@ -170,6 +170,19 @@ def test_host_buffers_are_zeros_on_a_huge_page_boundary_and_advised():
         host_zeros((2, -1), torch.int8)
 
 
+def test_huge_pages_switch_off_and_bad_value(monkeypatch):
+    from dd_sglang.kvcache.host_memory import HUGE_PAGES_ENV, host_zeros, transparent_huge_pages
+
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    t = host_zeros((2, 4096, H, D), torch.bfloat16)  # same buffer, 4 KiB pages
+    assert not t.any() and t.is_contiguous()
+    if transparent_huge_pages() == "madvise":  # only the advice makes it eligible there
+        assert _vma_field(t.data_ptr(), "THPeligible") in ("0", None)
+    monkeypatch.setenv(HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{HUGE_PAGES_ENV} must be 0 or 1, got 'yes'"):
+        host_zeros((4, 4), torch.int8)
+
+
 def test_pool_and_index_buffers_are_host_zeros():
     from dd_sglang.kvcache.host_memory import HUGE_PAGE_BYTES
     from dd_sglang.prefetch.index import QuantKeyIndex

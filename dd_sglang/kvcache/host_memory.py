@@ -13,7 +13,9 @@ selection ran 1.31x faster over such buffers at 4k tokens x 8 rows and 1.22x at 
 The advice changes no value: the buffer reads as zeros and behaves as any CPU tensor. Where the
 advice is unavailable (another OS, THP ``never``) the buffer is the same mapping with 4 KiB
 pages. Pinned buffers (``pin_memory=True``, CUDA) come from :func:`torch.zeros` unchanged: a
-page-locked allocation is CUDA's, not ours to advise.
+page-locked allocation is CUDA's, not ours to advise. ``DD_SGLANG_HOST_HUGE_PAGES=0`` in the
+server's environment leaves the advice out (4 KiB pages): a host whose memory is too fragmented
+for 2 MiB pages pays the kernel's compaction at each first touch (THP ``defrag``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 from pathlib import Path
 
 import torch
@@ -29,6 +32,20 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD-sized transparent huge page
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: Environment switch: ``0`` leaves :func:`host_zeros` buffers on 4 KiB pages; ``1`` (default) advises huge pages.
+HUGE_PAGES_ENV = "DD_SGLANG_HOST_HUGE_PAGES"
+
+
+def huge_pages_wanted() -> bool:
+    """Whether :func:`host_zeros` advises huge pages (:data:`HUGE_PAGES_ENV`, default on).
+
+    Raises:
+        ValueError: the variable is set to something other than ``0`` or ``1`` (names it).
+    """
+    value = os.environ.get(HUGE_PAGES_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{HUGE_PAGES_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def transparent_huge_pages() -> str:
@@ -57,7 +74,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool =
         long as the tensor (or any view of it) does.
 
     Raises:
-        ValueError: a negative dimension (the message names it).
+        ValueError: a negative dimension (the message names it), or a bad :data:`HUGE_PAGES_ENV`.
     """
     for i, n in enumerate(shape):
         if n < 0:
@@ -69,7 +86,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool =
         return torch.zeros(shape, dtype=dtype)
     pad = HUGE_PAGE_BYTES if nbytes >= HUGE_PAGE_BYTES else 0  # room to start on a 2 MiB boundary
     buf = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None) if huge_pages_wanted() else None
     if advice is not None:
         try:
             buf.madvise(advice)
