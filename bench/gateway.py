@@ -53,6 +53,29 @@ class Gateway:
     proc: subprocess.Popen
     log_path: Path
     start_seconds: float = 0.0
+    launched_at: float = 0.0  # time.monotonic() at the launch
+
+    def wait_ready(self, timeout: float = 900.0) -> Gateway:
+        """Wait until the gateway routes to every worker (``/workers`` lists them all healthy);
+        sets :attr:`start_seconds` (from the launch).
+
+        Raises:
+            RuntimeError: the router exited, or was not ready ``timeout`` s after its launch (the
+                router is then stopped; the message carries the log tail).
+        """
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"router exited with {self.proc.returncode} during start-up:\n{self.log_tail()}"
+                )
+            if healthy_workers(self.url) >= len(self.worker_urls):
+                break
+            if time.monotonic() - self.launched_at > timeout:
+                self.stop()
+                raise RuntimeError(f"gateway not ready after {timeout} s:\n{self.log_tail()}")
+            time.sleep(1.0)
+        self.start_seconds = time.monotonic() - self.launched_at
+        return self
 
     def log_tail(self, n: int = 80) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -126,21 +149,17 @@ def served_by(gw: Gateway, before: list[float], timeout: float = 10.0) -> int:
         time.sleep(0.2)
 
 
-def start_gateway(
+def launch_gateway(
     log_path: Path,
     worker_args: list[str],
     workers: int = 2,
     policy: str = "cache_aware",
     worker_urls: list[str] | None = None,
-    timeout: float = 900.0,
 ) -> Gateway:
-    """Launch ``dd_sglang.launch_router`` on free loopback ports; wait until the gateway routes to
-    every worker (``/workers`` lists them all healthy).
+    """Launch ``dd_sglang.launch_router`` on free loopback ports and return at once, not waiting
+    for it (:meth:`Gateway.wait_ready`; :func:`start_gateway` does both).
 
     With ``worker_urls`` no worker is started (the gateway routes to those).
-
-    Raises:
-        RuntimeError: the router exited, or was not ready within ``timeout`` s (with the log tail).
     """
     port, rport = free_port(), free_port()
     cmd = [sys.executable, "-m", "dd_sglang.launch_router", "--port", str(port), "--router-metrics-port", str(rport),
@@ -167,15 +186,21 @@ def start_gateway(
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    gw = Gateway(f"http://127.0.0.1:{port}", worker_urls, metrics_urls, proc, log_path)
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode} during start-up:\n{gw.log_tail()}")
-        if healthy_workers(gw.url) >= len(worker_urls):
-            break
-        if time.monotonic() - t0 > timeout:
-            gw.stop()
-            raise RuntimeError(f"gateway not ready after {timeout} s:\n{gw.log_tail()}")
-        time.sleep(1.0)
-    gw.start_seconds = time.monotonic() - t0
-    return gw
+    return Gateway(f"http://127.0.0.1:{port}", worker_urls, metrics_urls, proc, log_path, launched_at=t0)
+
+
+def start_gateway(
+    log_path: Path,
+    worker_args: list[str],
+    workers: int = 2,
+    policy: str = "cache_aware",
+    worker_urls: list[str] | None = None,
+    timeout: float = 900.0,
+) -> Gateway:
+    """Launch ``dd_sglang.launch_router`` on free loopback ports (:func:`launch_gateway`) and wait
+    until the gateway routes to every worker (:meth:`Gateway.wait_ready`).
+
+    Raises:
+        RuntimeError: the router exited, or was not ready within ``timeout`` s (with the log tail).
+    """
+    return launch_gateway(log_path, worker_args, workers, policy, worker_urls).wait_ready(timeout)
