@@ -68,7 +68,7 @@ from pathlib import Path
 import httpx
 
 from bench.prompts import passkey_prompt
-from bench.server import flush_when_idle, launch_server, scrape, start_server
+from bench.server import flush_when_idle, launch_server, scrape
 
 
 def steady_decode(times: list[list[float]]) -> dict:
@@ -106,12 +106,11 @@ def backend_spec(spec: str) -> tuple[str, str, bool]:
     return backend, selector, bool(room)
 
 
-def start_backend(spec: str, budget: int):
-    """Start the server of ``spec`` with a device KV pool of ``budget`` tokens (waits until healthy);
-    returns ``(server, its log path)``."""
-    backend, _, _ = backend_spec(spec)
+def launch_backend(backend: str, budget: int):
+    """Launch a server with ``--attention-backend backend`` and a device KV pool of ``budget``
+    tokens, its log in a fresh temporary folder, not waiting for it; returns ``(server, log path)``."""
     log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
-    return start_server(log, budget, ["--attention-backend", backend], timeout=900), log
+    return launch_server(log, budget, ["--attention-backend", backend]), log
 
 
 def stop_backend(spec: str, srv, log: Path) -> dict:
@@ -132,7 +131,8 @@ def room_budget(prompts: list[tuple[str, int, int]], new_tokens: int) -> int:
 def run_backend(spec: str, prompts: list[tuple[str, int, int]], args) -> dict:
     """One server, all prompts at once, started and stopped here; see the module docstring."""
     budget = room_budget(prompts, args.new_tokens) if backend_spec(spec)[2] else args.max_total_tokens
-    srv, log = start_backend(spec, budget)
+    srv, log = launch_backend(backend_spec(spec)[0], budget)
+    srv.wait_ready(900)
     try:
         out = run_round(spec, srv, prompts, args)
     finally:
@@ -246,17 +246,15 @@ def run_rounds(specs: list[str], rounds: list[list[tuple[str, int, int]]], args)
     try:
         # launched together: start-ups are mostly single-threaded imports
         for kind, budget in budgets.items():
-            log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
-            servers[kind] = (launch_server(log, budget, ["--attention-backend", kind[0]]), log)
+            servers[kind] = launch_backend(kind[0], budget)
         for srv, _ in servers.values():
             srv.wait_ready(900)
         per_round: dict[str, list[dict]] = {s: [] for s in specs}
         for r, prompts in enumerate(rounds):
             for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
                 srv = servers[kinds[spec]][0]
-                flush_when_idle(
-                    srv
-                )  # nothing cached from the last run (dualdecoder+SELECTOR shares its prompts)
+                # nothing cached from the last run (dualdecoder+SELECTOR shares its prompts)
+                flush_when_idle(srv)
                 per_round[spec].append(run_round(spec, srv, prompts, args))
                 print(
                     f"round {r} {spec}: steady {per_round[spec][-1]['steady_decode_tokens_per_second']} tok/s",
