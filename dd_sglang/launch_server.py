@@ -407,10 +407,12 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     Raises:
         _Refused: any start-up check (nothing is started; the socket is bound only when all pass).
     """
+    from dd_sglang.kvcache.host_memory import HUGE_PAGES_ENV
     from dd_sglang.platform.linear import PREPACK_ENV
 
-    if os.environ.get(PREPACK_ENV, "1") not in ("0", "1"):
-        raise _Refused(f"{PREPACK_ENV} must be 0 or 1, got {os.environ[PREPACK_ENV]!r}")
+    for switch in (PREPACK_ENV, HUGE_PAGES_ENV):  # read again inside SGLang; refused here first
+        if os.environ.get(switch, "1").strip() not in ("0", "1"):
+            raise _Refused(f"{switch} must be 0 or 1, got {os.environ[switch]!r}")
     model_path, served_name = _model(cfg, sglang_argv)
     from dd_sglang.platform import activate
 

@@ -274,14 +274,16 @@ def test_launcher_refuses_flags_the_sparse_path_cannot_serve(flag, tmp_path):
     assert f"--attention-backend dualdecoder does not support {flag}" in r.stderr
 
 
-def test_launcher_refuses_a_bad_prepack_switch(tmp_path):
-    """DD_SGLANG_CPU_PREPACK takes 0 or 1; anything else stops before SGLang starts, naming it."""
+@pytest.mark.parametrize("switch", ["DD_SGLANG_CPU_PREPACK", "DD_SGLANG_HOST_HUGE_PAGES"])
+def test_launcher_refuses_a_bad_on_off_switch(tmp_path, switch):
+    """DD_SGLANG_CPU_PREPACK and DD_SGLANG_HOST_HUGE_PAGES take 0 or 1; anything else stops before
+    SGLang starts (exit 2), naming the variable."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "DD_SGLANG_CPU_PREPACK": "false"}
+    env = {**os.environ, switch: "false"}
     proc = subprocess.run([sys.executable, "-m", "dd_sglang.launch_server", "--model-path", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
-    assert "DD_SGLANG_CPU_PREPACK must be 0 or 1" in proc.stderr + proc.stdout
+    assert f"{switch} must be 0 or 1, got 'false'" in proc.stderr + proc.stdout

@@ -72,7 +72,7 @@ def invalidate_packs() -> None:
 
 def prepack_enabled() -> bool:
     """Whether packing is on: bfloat16 oneDNN available and :data:`PREPACK_ENV` not "0"."""
-    if os.environ.get(PREPACK_ENV, "1") == "0":
+    if os.environ.get(PREPACK_ENV, "1").strip() == "0":
         return False
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
