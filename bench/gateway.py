@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.server import ROOT, free_port, scrape
+from bench.server import ROOT, free_port, scrape, terminate
 from dd_sglang.launch_router import healthy_workers
 
 #: SGLang's counter of finished requests (tokenizer manager), read from each worker's sidecar.
@@ -115,21 +115,7 @@ class Gateway:
             family = [self.proc.pid] + [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             family = []
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = -9
-        time.sleep(1.0)
-        alive = []
-        for pid in family:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return rc, alive
+        return terminate(self.proc, family, timeout)
 
 
 def served_by(gw: Gateway, before: list[float], timeout: float = 10.0) -> int:

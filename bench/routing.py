@@ -43,19 +43,17 @@ ANSWER = "The pass key is "  # the trailing space: the model then answers with t
 RESULT = ROOT / "bench" / "results" / "routing_cpu.json"
 
 
+def post_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 900.0) -> httpx.Response:
+    """A greedy ``/v1/chat/completions`` request that continues the final (assistant) message;
+    the raw response (its status unchecked). ``timeout`` in seconds."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "continue_final_message": True}  # fmt: skip
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+
+
 def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    r = httpx.post(
-        f"{url}/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "continue_final_message": True,
-        },  # fmt: skip
-        timeout=900,
-    )
+    r = post_chat(url, messages, max_tokens)
     r.raise_for_status()
     return r.json(), time.perf_counter() - t0
 

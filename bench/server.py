@@ -148,21 +148,28 @@ class ServerProcess:
         """SIGTERM the launcher; return (exit code, pids of its tree still alive 1 s later)."""
         family = [p.pid for p in self.family()]
         self._stop_sampler.set()
-        self.proc.send_signal(signal.SIGTERM)
+        return terminate(self.proc, family, timeout)
+
+
+def terminate(proc: subprocess.Popen, family: list[int], timeout: float) -> tuple[int, list[int]]:
+    """SIGTERM ``proc`` and wait up to ``timeout`` s (then SIGKILL: exit code -9); return its exit
+    code and the pids of ``family`` (its process tree, listed before the signal) still alive, not
+    zombies, 1 s later."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = -9
+    time.sleep(1.0)
+    alive = []
+    for pid in family:
         try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = -9
-        time.sleep(1.0)
-        alive = []
-        for pid in family:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return rc, alive
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return rc, alive
 
 
 _RANK_LABEL = re.compile(r'dp_rank="[^"]*",?')

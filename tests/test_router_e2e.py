@@ -26,12 +26,12 @@ import yaml
 
 from bench.gateway import served_by, start_gateway
 from bench.prompts import FILLER, INSTRUCTION, passkey_prompt
+from bench.routing import post_chat
 from bench.server import ROOT, scrape
 from dd_sglang.launch_router import healthy_workers
 from tests.servers import stop_behind
 
 pytestmark = pytest.mark.server
-MODEL = "smollm2-135m-instruct"
 CAP = 7168  # device KV pool per worker (tokens)
 HOST_TIER_BYTES = 512 * 1024**2  # per worker: 11,650 float32 tokens (the CPU default without bf16)
 TURN_TOKENS = 3000  # ~tokens per user turn
@@ -62,17 +62,7 @@ def gateway(model_path, tmp_path_factory):
 
 def chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict:
     """A greedy chat completion that continues the final (assistant) message."""
-    r = httpx.post(
-        f"{url}/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "continue_final_message": True,
-        },  # fmt: skip
-        timeout=timeout,
-    )
+    r = post_chat(url, messages, max_tokens, timeout)
     assert r.status_code == 200, r.text
     return r.json()
 
