@@ -150,8 +150,12 @@ class PrefetchSection(_Strict):
     the forward pass: on CUDA it overlaps GPU compute; on a CPU it runs its
     ops on one intra-op thread), ``inline`` (on the
     forward thread right after the layer's attention: on a CPU the worker only
-    competes with the forward pass for the same cores and the GIL), ``auto``
-    (``worker`` on CUDA, ``inline`` on a CPU).
+    competes with the forward pass for the same cores and the GIL), ``split``
+    (a CPU: the worker, and during each sparse decode step the forward
+    thread's own operations on one intra-op thread, so the selection has a
+    core of its own instead of contending with the forward's parallel regions;
+    elsewhere as ``worker``), ``auto`` (``worker`` on CUDA, ``inline`` on a
+    CPU).
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
     transfer kernel reading the pinned tier on the GPU, bounded blocks;
     ``staging``: host gather into pinned memory, one copy; ``cpu``; ``auto``:
@@ -183,7 +187,7 @@ class PrefetchSection(_Strict):
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
     rerank: float = Field(2.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline", "in_place"] = "auto"
-    select: Literal["auto", "worker", "inline"] = "auto"
+    select: Literal["auto", "worker", "inline", "split"] = "auto"
     gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
     branches: int = Field(1, ge=1, le=2)
     confident: float = Field(0.9, ge=0.0, le=1.0)

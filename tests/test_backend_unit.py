@@ -421,6 +421,31 @@ def _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident, k=24, budg
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_split_selection_gives_the_inline_outputs_with_one_forward_thread_in_sparse_steps(kernel):
+    """prefetch.select split: the next step's sets come from the select worker (its own core) and
+    every layer's output equals the inline selection's to the bit; during a sparse step the forward
+    thread runs its own operations on one intra-op thread, and a step with no plan (a prefill)
+    gets its thread count back."""
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for select in ("inline", "split"):
+            h = Harness(_kernel_params(kernel, select=select), top_k=24, selector="spec_host")
+            h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+            outs[select] = [h.step()[2] for _ in range(4)]
+            assert torch.get_num_threads() == (1 if select == "split" else threads)
+            prefill = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True))
+            h.backend.init_forward_metadata(prefill)
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)
+    assert h.events.steps == ["sparse"] * 4
+    for step_inline, step_split in zip(outs["inline"], outs["split"], strict=True):
+        for a, b in zip(step_inline, step_split, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     h = Harness(top_k=24, selector="spec_host")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)

@@ -116,6 +116,8 @@ class DualDecoderAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, forward_batch) -> None:
         """Plan the step (module docstring); dense-only steps get no plan."""
+        if self.runner is not None:  # prefill or dense decode: the forward's own thread count
+            self.runner.split_threads(False)
         self.dense.init_forward_metadata(forward_batch)
         forward_batch.dd_step = None
         if not forward_batch.forward_mode.is_decode():

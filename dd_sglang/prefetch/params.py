@@ -36,7 +36,9 @@ class PrefetchParams:
             last speculation was rejected or none rode, so a prompt lookup rides, or nothing);
             ``always``.
         select: where the next step's selection runs: ``worker`` (the select worker thread),
-            ``inline`` (the forward thread, after the layer's attention); ``auto``: ``worker``
+            ``inline`` (the forward thread, after the layer's attention), ``split`` (a CPU
+            device: the worker, with the forward thread's own operations on one intra-op
+            thread during sparse decode steps; elsewhere as ``worker``); ``auto``: ``worker``
             on CUDA, ``inline`` on a CPU device (where a worker only competes for the same
             cores: ``bench/results/decode_speed_cpu.json``).
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,

@@ -206,6 +206,9 @@ class SparseStepRunner:
         cpu = self.device.type != "cuda"
         inline = params.transfer in ("inline", "in_place") or (params.transfer == "auto" and cpu)
         select_inline = params.select == "inline" or (params.select == "auto" and cpu)
+        #: ``prefetch.select: split`` on a CPU: the forward thread's intra-op thread count outside
+        #: sparse decode steps (read here, on the forward thread) and inside them (1).
+        self._split_threads = (torch.get_num_threads(), 1) if params.select == "split" and cpu else None
         self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline,
                                          select_inline=select_inline)  # fmt: skip
         #: Inline selection: each ahead group's selection queries of the layers not yet selected.
@@ -302,6 +305,7 @@ class SparseStepRunner:
         self.schedule.drain_select()  # last step's selections are read by this plan
         self.tally.flush(self.events)
         plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
+        self.split_threads(plan is not None)
         self._pending = [{} for _ in plan.ahead] if plan is not None else []
         self._sel_next = [0 for _ in plan.ahead] if plan is not None else []
         self._sel_chunk = [None for _ in plan.ahead] if plan is not None else []
@@ -320,6 +324,15 @@ class SparseStepRunner:
             self.schedule.end_step()
         self.events.phase("plan", time.perf_counter() - plan.started)
         return plan
+
+    def split_threads(self, sparse: bool) -> None:
+        """With ``prefetch.select: split`` on a CPU, set the calling (forward) thread's intra-op
+        threads for the coming forward: 1 in a sparse decode step (the select worker has the other
+        core), else the count the runner was built with; without it, nothing."""
+        if self._split_threads is not None:
+            n = self._split_threads[1 if sparse else 0]
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
 
     def _reads_in_place(self, plan: StepPlan) -> bool:
         """Whether the step's attention reads its critical sets in place (:attr:`in_place`).
