@@ -157,6 +157,34 @@ def test_one_task_on_several_threads_chooses_the_one_thread_sets(dtype, march):
     assert all(_same_sets(got[1][2], want))
 
 
+@pytest.mark.parametrize("n_len", [1500, 1507])
+def test_scores_tied_at_the_threshold_take_the_first_candidates(n_len, march):
+    """Keys in three levels along one direction per KV head give three groups of equal int8 scores.
+    With ``m = k`` (rerank 1) the ``m`` re-ranked are every candidate above the ``m``-th score and
+    then the first of those tied with it, in position order: best first, the top level's positions
+    ascending, then the first ``k - n_top`` of the middle level (1,368 and 1,375 candidates: whole
+    16-candidate blocks and a tail)."""
+    host_k, _, rows, q = _case([n_len], 64, torch.bfloat16, seed=31, layers=2)
+    g = torch.Generator().manual_seed(32)
+    level = torch.randint(1, 4, (host_k.shape[1],), generator=g).float()  # 1, 2 or 3 per host slot
+    u = torch.randn(host_k.shape[0], 1, host_k.shape[2], 64, generator=g)
+    host_k = (level.view(1, -1, 1, 1) * u).to(torch.bfloat16)
+    idx = QuantKeyIndex(host_k)
+    table, ok = rows.tokens
+    idx.update(table[0][:n_len], 0, n_len)
+    q = u.expand(2, 1, 3, 64).repeat_interleave(3, dim=2).contiguous()  # each query head along its KV head's u
+    cand = ok[0].nonzero().flatten()
+    lv = level[table[0][cand]]
+    n_top = int((lv == 3).sum())
+    k = n_top + 40
+    pos, slots = make_selector("spec_host", 1.0, native=True).select_layers(q, rows, host_k, k, 0.125, idx, slice(0, 2))
+    want = torch.cat([cand[lv == 3], cand[lv == 2][:40]])
+    for layer in range(2):
+        for h in range(3):
+            assert pos[layer, 0, h].tolist() == want.tolist()
+            assert torch.equal(slots[layer, 0, h], table[0][want])
+
+
 def test_selection_writes_into_given_tensors_and_refuses_bad_ones():
     """``out``: both selectors write the sets into the given tensors (the next step's sets, in
     place), equal to a call without; a wrong shape, dtype or layout is refused."""

@@ -368,6 +368,49 @@ static float lse(const float *a, int n) {
     for (; c < n; c++) sum += exp_neg(a[c] - mx);
     return mx + logf(sum);
 }
+/* Step 4's pass: sc[0..mm).i = the candidates whose score sv[c] is above thr, and the first
+ * (in candidate order) mm - #above of those equal to it, in ascending c; returns how many were
+ * written (mm when thr is sv's mm-th largest). Per 16 candidates: two compares and one compress
+ * store, where the scalar loop below carried the tie count from one candidate to the next. */
+static int take_top(const float *sv, int n, float thr, int mm, scored *sc) {
+    const __m512 vt = _mm512_set1_ps(thr);
+    int above = 0, c = 0;
+    for (; c + 16 <= n; c += 16) above += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(sv + c), vt, _CMP_GT_OQ));
+    for (; c < n; c++) above += sv[c] > thr;
+    int ties = mm - above, w = 0;
+    int32_t idx[16];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (c = 0; c + 16 <= n; c += 16) {
+        __m512 x = _mm512_loadu_ps(sv + c);
+        __mmask16 take = _mm512_cmp_ps_mask(x, vt, _CMP_GT_OQ);
+        unsigned eq = ties > 0 ? (unsigned)_mm512_cmp_ps_mask(x, vt, _CMP_EQ_OQ) : 0u;
+        while (__builtin_popcount(eq) > ties) eq &= ~(1u << (31 - __builtin_clz(eq))); /* keep the first `ties` */
+        ties -= __builtin_popcount(eq);
+        take |= (__mmask16)eq;
+        _mm512_mask_compressstoreu_epi32(idx, take, _mm512_add_epi32(lane, _mm512_set1_epi32(c)));
+        int t = __builtin_popcount(take);
+        for (int i = 0; i < t; i++) sc[w + i].i = idx[i];
+        w += t;
+    }
+    for (; c < n; c++) {
+        float x = sv[c];
+        int eq = x == thr, take = (x > thr) | (eq & (ties > 0));
+        ties -= eq & take;
+        sc[w].i = c;
+        w += take;
+    }
+    return w;
+}
+/* The largest of x[0..n) (n >= 1; -inf for none larger); the same value as a scalar loop for any
+ * order of the compares (a max of numbers; a NaN, which no logit is, could differ). */
+static float max_of(const float *x, int n) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+    float mx = _mm512_reduce_max_ps(vm);
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
 static void group_scores(const float *a, int64_t n, int G, const float *z, float *out) {
     int64_t c = 0;
     for (; c + 16 <= n; c += 16) {
@@ -383,6 +426,24 @@ static void group_scores(const float *a, int64_t n, int G, const float *z, float
     }
 }
 #else
+static int take_top(const float *sv, int n, float thr, int mm, scored *sc) {
+    int above = 0;
+    for (int c = 0; c < n; c++) above += sv[c] > thr;
+    int ties = mm - above, w = 0;
+    for (int c = 0; c < n; c++) { /* branch-free: which candidates pass is unpredictable */
+        float x = sv[c];
+        int eq = x == thr, take = (x > thr) | (eq & (ties > 0));
+        ties -= eq & take;
+        sc[w].i = c;
+        w += take;
+    }
+    return w;
+}
+static float max_of(const float *x, int n) {
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
 static float lse(const float *a, int n) {
     float mx = -INFINITY;
     for (int c = 0; c < n; c++) mx = a[c] > mx ? a[c] : mx;
@@ -476,17 +537,7 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
      * the exact re-ranking then reads in address order), their approximate mass, positions */
     int mm = m < n ? m : n;
     if (mm < n) {
-        float thr = kth_largest(sv, n, mm, (uint32_t *)(sv + n));
-        int above = 0;
-        for (int c = 0; c < n; c++) above += sv[c] > thr;
-        int ties = mm - above, w = 0;
-        for (int c = 0; c < n; c++) { /* branch-free: which candidates pass is unpredictable */
-            float x = sv[c];
-            int eq = x == thr, take = (x > thr) | (eq & (ties > 0));
-            ties -= eq & take;
-            sc[w].i = c;
-            w += take;
-        }
+        take_top(sv, n, kth_largest(sv, n, mm, (uint32_t *)(sv + n)), mm, sc);
     } else {
         for (int c = 0; c < n; c++) sc[c].i = c;
     }
@@ -519,8 +570,7 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
     /* 6. normalisers: exact over the mm, approximate over the rest */
     for (int j = 0; j < G; j++) {
         const float *ej = e + (int64_t)j * mm;
-        float mx = -INFINITY;
-        for (int i = 0; i < mm; i++) mx = ej[i] > mx ? ej[i] : mx;
+        float mx = max_of(ej, mm);
         float sum = 0.0f;
         for (int i = 0; i < mm; i++) sum += exp_neg(ej[i] - mx);
         float tk = taken[j] > 1.0f ? 1.0f : taken[j];
