@@ -154,8 +154,9 @@ class PrefetchSection(_Strict):
     (a CPU: the worker, and during each sparse decode step the forward
     thread's own operations on one intra-op thread, so the selection has a
     core of its own instead of contending with the forward's parallel regions;
-    elsewhere as ``worker``), ``auto`` (``worker`` on CUDA, ``inline`` on a
-    CPU).
+    elsewhere as ``worker``), ``auto`` (``worker`` on CUDA; on a CPU with 2+
+    intra-op threads ``split`` for a step with at least 4 rows selecting ahead,
+    else ``inline``).
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
     transfer kernel reading the pinned tier on the GPU, bounded blocks;
     ``staging``: host gather into pinned memory, one copy; ``cpu``; ``auto``:

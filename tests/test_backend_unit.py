@@ -446,6 +446,28 @@ def test_split_selection_gives_the_inline_outputs_with_one_forward_thread_in_spa
             assert torch.equal(a, b)
 
 
+def test_auto_selection_splits_a_step_from_split_min_rows(monkeypatch):
+    """prefetch.select auto on a CPU: a step with fewer than SPLIT_MIN_ROWS rows selecting ahead
+    selects inline on the forward thread's threads; from that many rows (1 here) it splits."""
+    from dd_sglang.prefetch import runner as runner_mod
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one intra-op thread: no step splits")
+    assert runner_mod.SPLIT_MIN_ROWS > 1
+    try:
+        for min_rows, split in ((runner_mod.SPLIT_MIN_ROWS, False), (1, True)):
+            monkeypatch.setattr(runner_mod, "SPLIT_MIN_ROWS", min_rows)
+            h = Harness(_kernel_params("native"), top_k=24, selector="spec_host")  # select: auto
+            h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+            for _ in range(3):
+                h.step()
+                assert h.backend.runner.schedule.select_inline is not split
+                assert torch.get_num_threads() == (1 if split else threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     h = Harness(top_k=24, selector="spec_host")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)

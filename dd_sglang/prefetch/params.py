@@ -39,8 +39,9 @@ class PrefetchParams:
             ``inline`` (the forward thread, after the layer's attention), ``split`` (a CPU
             device: the worker, with the forward thread's own operations on one intra-op
             thread during sparse decode steps; elsewhere as ``worker``); ``auto``: ``worker``
-            on CUDA, ``inline`` on a CPU device (where a worker only competes for the same
-            cores: ``bench/results/decode_speed_cpu.json``).
+            on CUDA; on a CPU device ``split`` for a step with at least
+            :data:`~dd_sglang.prefetch.runner.SPLIT_MIN_ROWS` rows selecting ahead (with 2+
+            intra-op threads), else ``inline`` (``bench/results/decode_speed_split_cpu.json``).
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
             ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
             ``staging`` (CUDA: host gather into pinned staging, then one copy).

@@ -79,6 +79,13 @@ logger = logging.getLogger(__name__)
 #: one chunk of layers may make; at most :data:`SELECT_CHUNK_LAYERS` layers a chunk.
 SELECT_CHUNK_BYTES = 3 << 20
 SELECT_CHUNK_LAYERS = 10
+#: ``prefetch.select: auto`` on a CPU with 2+ intra-op threads: a sparse step with at least this many
+#: rows selecting ahead runs as ``split`` (the selection on the select worker, the forward's own
+#: operations on one thread), a smaller one inline. In ``bench.decode_speed`` on 2 cores (4k tokens,
+#: ``bench/results/decode_speed_split_cpu.json``) split ran at 0.89x inline's tokens/s with 1 row and
+#: 1.08x with 8: per row it moves ~6 ms of selection off the forward thread and costs ~2.5 ms of
+#: one-thread attention and repairs, besides ~8 ms a step of one-thread projections.
+SPLIT_MIN_ROWS = 4
 
 
 def use_native_kernel(kernel: str) -> bool:
@@ -206,9 +213,13 @@ class SparseStepRunner:
         cpu = self.device.type != "cuda"
         inline = params.transfer in ("inline", "in_place") or (params.transfer == "auto" and cpu)
         select_inline = params.select == "inline" or (params.select == "auto" and cpu)
-        #: ``prefetch.select: split`` on a CPU: the forward thread's intra-op thread count outside
-        #: sparse decode steps (read here, on the forward thread) and inside them (1).
-        self._split_threads = (torch.get_num_threads(), 1) if params.select == "split" and cpu else None
+        #: ``prefetch.select`` ``split`` or ``auto`` on a CPU: the forward thread's intra-op thread
+        #: count outside split steps (read here, on the forward thread) and inside them (1); None
+        #: where no step splits (CUDA, ``worker``, ``inline``, or a single intra-op thread).
+        threads = torch.get_num_threads()
+        splits = cpu and params.select in ("split", "auto") and threads > 1
+        self._split_threads = (threads, 1) if splits else None
+        self._split_min_rows = 1 if params.select == "split" else SPLIT_MIN_ROWS
         self.schedule = TransferSchedule(self.ring, on_step=self.events.transfer, inline=inline,
                                          select_inline=select_inline)  # fmt: skip
         #: Inline selection: each ahead group's selection queries of the layers not yet selected.
@@ -305,7 +316,7 @@ class SparseStepRunner:
         self.schedule.drain_select()  # last step's selections are read by this plan
         self.tally.flush(self.events)
         plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
-        self.split_threads(plan is not None)
+        self._choose_split(plan)
         self._pending = [{} for _ in plan.ahead] if plan is not None else []
         self._sel_next = [0 for _ in plan.ahead] if plan is not None else []
         self._sel_chunk = [None for _ in plan.ahead] if plan is not None else []
@@ -325,14 +336,25 @@ class SparseStepRunner:
         self.events.phase("plan", time.perf_counter() - plan.started)
         return plan
 
-    def split_threads(self, sparse: bool) -> None:
-        """With ``prefetch.select: split`` on a CPU, set the calling (forward) thread's intra-op
-        threads for the coming forward: 1 in a sparse decode step (the select worker has the other
-        core), else the count the runner was built with; without it, nothing."""
+    def split_threads(self, split: bool) -> None:
+        """Where steps may split (``prefetch.select`` ``split`` or ``auto`` on a CPU), set the calling
+        (forward) thread's intra-op threads for the coming forward: 1 for a split step (the select
+        worker has the other core), else the count the runner was built with; elsewhere nothing."""
         if self._split_threads is not None:
-            n = self._split_threads[1 if sparse else 0]
+            n = self._split_threads[1 if split else 0]
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
+
+    def _choose_split(self, plan: StepPlan | None) -> None:
+        """Whether this step splits (:data:`SPLIT_MIN_ROWS`): its selection then runs on the select
+        worker (queued by :meth:`layer_done`), else inline; and the forward thread's thread count.
+        Called after the previous step's selections were drained, so none is in flight."""
+        if self._split_threads is None:
+            return
+        rows = sum(int(g.query.shape[0]) for g in plan.ahead) if plan is not None else 0
+        split = plan is not None and rows >= self._split_min_rows
+        self.schedule.select_inline = not split
+        self.split_threads(split)
 
     def _reads_in_place(self, plan: StepPlan) -> bool:
         """Whether the step's attention reads its critical sets in place (:attr:`in_place`).

@@ -18,9 +18,12 @@ selectors, :mod:`dd_sglang.prefetch.selectors`). Step t+1 then runs:
    :class:`~dd_sglang.kvcache.layer_buffers.LayerRingBuffer`).
 4. During step t+1, each lookahead layer queues the selection of step t+2's
    set for that layer (:meth:`TransferSchedule.submit_select`); with
-   ``select_inline=True`` (a CPU's default) the selection runs right there on
-   the forward thread instead of the select worker, where it would only
-   compete with the forward pass for the same cores.
+   ``select_inline=True`` the selection runs right there on the forward
+   thread instead of the select worker, where it would compete with the
+   forward's parallel regions for the same cores. On a CPU the runner sets it
+   per step (``prefetch.select: auto``): inline for a small step, and for a
+   larger one the worker while the forward thread runs on one intra-op thread
+   (``split``, :data:`dd_sglang.prefetch.runner.SPLIT_MIN_ROWS`).
 
 Workers: two daemon threads (copy, select) fed by FIFO queues. With
 ``inline=True`` the copy runs on the forward thread instead, when
