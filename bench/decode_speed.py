@@ -4,7 +4,8 @@ Usage::
 
     python -m bench.decode_speed [--out bench/results/decode_speed_cpu.json] [--contexts 4000,7900]
                                  [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
-                                 [--select-worker] [--select-split] [--torch-kernel] [--unpacked-dense]
+                                 [--select-worker] [--select-split] [--select-inline] [--torch-kernel]
+                                 [--unpacked-dense]
                                  [--temperature 0.8] [--independent-sampling] [--inline-transfer]
                                  [--selectors host_sync]
 
@@ -49,8 +50,12 @@ cell's sparse default again there (``dualdecoder_sparse_select_worker``).
 With ``--select-split`` another server runs the preset with ``prefetch.select:
 split`` (the select worker, and the forward thread's own operations on one
 intra-op thread during sparse steps), its runs as
-``dualdecoder_sparse_select_split`` and ``split_over_inline_select`` the
-tokens/s over the default's (inline selection).
+``dualdecoder_sparse_select_split`` and ``split_over_default_select`` the
+tokens/s over the default's (``auto``: on a CPU split from
+``SPLIT_MIN_ROWS`` rows a step, else inline). With ``--select-inline``
+another server runs the preset with ``prefetch.select: inline`` (every step
+inline), as ``dualdecoder_sparse_select_inline``, and
+``default_over_inline_select`` the default's tokens/s over it.
 With ``--torch-kernel`` another server runs the preset with ``prefetch.kernel:
 torch`` (every C path off: PyTorch selection, measurement and copies), its
 runs as ``dualdecoder_sparse_torch_kernel`` and ``native_over_torch_kernel``
@@ -175,7 +180,8 @@ RATIOS = (
     ("sparse_over_dense_same_server", "dualdecoder_sparse", "dualdecoder_dense"),
     ("select_worker_over_sglang_dense", "dualdecoder_sparse_select_worker", "sglang_dense"),
     ("select_split_over_sglang_dense", "dualdecoder_sparse_select_split", "sglang_dense"),
-    ("split_over_inline_select", "dualdecoder_sparse_select_split", "dualdecoder_sparse"),
+    ("split_over_default_select", "dualdecoder_sparse_select_split", "dualdecoder_sparse"),
+    ("default_over_inline_select", "dualdecoder_sparse", "dualdecoder_sparse_select_inline"),
     ("torch_kernel_over_sglang_dense", "dualdecoder_sparse_torch_kernel", "sglang_dense"),
     ("native_over_torch_kernel", "dualdecoder_sparse", "dualdecoder_sparse_torch_kernel"),
     ("sparse_over_unpacked_dense", "dualdecoder_sparse", "sglang_dense_unpacked"),
@@ -220,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
     ap.add_argument("--select-split", action="store_true",
                     help="also run the sparse default on a server with prefetch.select: split")  # fmt: skip
+    ap.add_argument("--select-inline", action="store_true",
+                    help="also run the sparse default on a server with prefetch.select: inline")  # fmt: skip
     ap.add_argument("--unpacked-dense", action="store_true",
                     help="also SGLang dense with the CPU platform's prepacked linear layers off "
                          "(DD_SGLANG_CPU_PREPACK=0): sglang_dense_unpacked")  # fmt: skip
@@ -290,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     # Variant servers: the preset with one prefetch key changed, each cell's sparse default run there.
     variants = [("select_worker", "select", "worker", "dualdecoder_sparse_select_worker", args.select_worker),
                 ("select_split", "select", "split", "dualdecoder_sparse_select_split", args.select_split),
+                ("select_inline", "select", "inline", "dualdecoder_sparse_select_inline", args.select_inline),
                 ("torch_kernel", "kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
                 ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling),
                 ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer)]  # fmt: skip
@@ -361,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {x}: {r[x + '_over_sglang_dense']:.2f}x sglang dense, "
                   f"{r[x + '_over_sparse_default']:.2f}x the sparse default, passkeys "
                   f"{r['dualdecoder_sparse_' + x]['found']}/{r['dualdecoder_sparse_' + x]['total']}")  # fmt: skip
-        if "split_over_inline_select" in r:
-            print(f"    split / inline selection {r['split_over_inline_select']:.2f}x")
+        if "split_over_default_select" in r:
+            print(f"    split / default selection {r['split_over_default_select']:.2f}x")
+        if "default_over_inline_select" in r:
+            print(f"    default / inline selection {r['default_over_inline_select']:.2f}x")
         if "in_place_over_inline" in r:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
         if "coupled_over_independent" in r:
