@@ -155,7 +155,7 @@ class PrefetchSection(_Strict):
     thread's own operations on one intra-op thread, so the selection has a
     core of its own instead of contending with the forward's parallel regions;
     elsewhere as ``worker``), ``auto`` (``worker`` on CUDA; on a CPU with 2+
-    intra-op threads ``split`` for a step with at least 4 rows selecting ahead,
+    intra-op threads ``split`` for a step with at least 8 rows selecting ahead,
     else ``inline``).
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
     transfer kernel reading the pinned tier on the GPU, bounded blocks;

@@ -41,7 +41,7 @@ class PrefetchParams:
             thread during sparse decode steps; elsewhere as ``worker``); ``auto``: ``worker``
             on CUDA; on a CPU device ``split`` for a step with at least
             :data:`~dd_sglang.prefetch.runner.SPLIT_MIN_ROWS` rows selecting ahead (with 2+
-            intra-op threads), else ``inline`` (``bench/results/decode_speed_split_cpu.json``).
+            intra-op threads), else ``inline`` (``bench/results/decode_speed_select_auto_cpu.json``).
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
             ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
             ``staging`` (CUDA: host gather into pinned staging, then one copy).

@@ -81,11 +81,13 @@ SELECT_CHUNK_BYTES = 3 << 20
 SELECT_CHUNK_LAYERS = 10
 #: ``prefetch.select: auto`` on a CPU with 2+ intra-op threads: a sparse step with at least this many
 #: rows selecting ahead runs as ``split`` (the selection on the select worker, the forward's own
-#: operations on one thread), a smaller one inline. In ``bench.decode_speed`` on 2 cores (4k tokens,
-#: ``bench/results/decode_speed_split_cpu.json``) split ran at 0.89x inline's tokens/s with 1 row and
-#: 1.08x with 8: per row it moves ~6 ms of selection off the forward thread and costs ~2.5 ms of
-#: one-thread attention and repairs, besides ~8 ms a step of one-thread projections.
-SPLIT_MIN_ROWS = 4
+#: operations on one thread), a smaller one inline. ``bench.decode_speed`` on 2 cores, 4k tokens, split
+#: over inline tokens/s: 0.89x at 1 row (``bench/results/decode_speed_split_cpu.json``), 0.86x at 4 and
+#: 1.06x at 8 rows (``bench/results/decode_speed_select_auto_cpu.json``, run with this at 4). The
+#: worker's single-thread selection took 2.2-2.8x the inline two-thread time (memory and the GIL
+#: shared with the forward), so only from 8 rows does moving it off the forward thread pay for the
+#: forward's own operations on one thread.
+SPLIT_MIN_ROWS = 8
 
 
 def use_native_kernel(kernel: str) -> bool:
