@@ -41,11 +41,11 @@ sparse attention calls) and ``rest`` (the rest of the model: projections,
 MLP, norms, logits, and SGLang's per-step work inside the forward). Work off
 the forward thread is reported beside it: ``select_ahead`` (next-step
 selection on the select worker) and ``copy`` (the copy worker's gathers).
-With ``prefetch.select: inline`` (a CPU's default) ``select_ahead`` runs on the
+With the selection inline (a CPU's default below 8 rows selecting ahead) ``select_ahead`` runs on the
 forward thread and is part of ``rest``.
 With ``--select-worker`` a third server runs the same preset with
 ``prefetch.select: worker`` (the next step's selection on the select worker
-thread instead of inline on the forward thread, a CPU's default) and each
+thread instead of inline on the forward thread, a CPU's default below 8 rows) and each
 cell's sparse default again there (``dualdecoder_sparse_select_worker``).
 With ``--select-split`` another server runs the preset with ``prefetch.select:
 split`` (the select worker, and the forward thread's own operations on one

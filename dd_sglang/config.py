@@ -151,10 +151,11 @@ class PrefetchSection(_Strict):
     ops on one intra-op thread), ``inline`` (on the
     forward thread right after the layer's attention: on a CPU the worker only
     competes with the forward pass for the same cores and the GIL), ``split``
-    (a CPU: the worker, and during each sparse decode step the forward
-    thread's own operations on one intra-op thread, so the selection has a
+    (a CPU with 2+ intra-op threads: the worker, and during each decode step
+    with a row selecting ahead the forward thread's own operations on one
+    intra-op thread, so the selection has a
     core of its own instead of contending with the forward's parallel regions;
-    elsewhere as ``worker``), ``auto`` (``worker`` on CUDA; on a CPU with 2+
+    elsewhere, or on one thread, as ``worker``), ``auto`` (``worker`` on CUDA; on a CPU with 2+
     intra-op threads ``split`` for a step with at least 8 rows selecting ahead,
     else ``inline``).
     ``gather``: how host-tier rows reach the device (``kernel``: SGLang's

@@ -112,3 +112,20 @@ def test_the_probe_runs_once_per_shape_bias_and_threads(monkeypatch):
     with torch.inference_mode():
         assert linear.packed_linear(_Layer(16, 128), x, None) is None
     assert len(calls) == 3
+
+
+def test_a_thread_count_not_probed_yet_is_probed_before_the_pack_is_used(monkeypatch):
+    """A pack made and probed on one thread count is not used on another before that count's probe
+    passes (a split CPU step runs its forward on 1 thread): a failing verdict there keeps F.linear."""
+    monkeypatch.setattr(linear, "_probed", {})
+    layer, x = _Layer(48, 128), torch.randn(2, 128).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(linear.packed_linear(layer, x, None), F.linear(x, layer.weight))
+        here = torch.get_num_threads()
+        assert list(linear._probed) == [((48, 128), False, here)]
+        monkeypatch.setattr(linear, "_exact", lambda *a: False)  # the other count's probe fails
+        monkeypatch.setattr(linear.torch, "get_num_threads", lambda: here + 1)
+        assert linear.packed_linear(layer, x, None) is None
+        assert linear._probed[((48, 128), False, here + 1)] is False
+        monkeypatch.setattr(linear.torch, "get_num_threads", lambda: here)
+        assert torch.equal(linear.packed_linear(layer, x, None), F.linear(x, layer.weight))  # still packed here

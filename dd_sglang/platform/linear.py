@@ -15,8 +15,9 @@ weight-freezing pass uses), and then runs ``torch.ops.mkldnn._linear_pointwise``
 on it, for products of at most :data:`PACK_MAX_ROWS` rows (decode steps; prefill
 keeps ``F.linear``). A pack is used only where it is exact: before first use it
 must give the same bits as ``F.linear`` on probe inputs of every row count it
-may take (with the layer's bias, on the threads the process uses); a weight
-that fails keeps ``F.linear`` (logged). The probe runs once per weight shape,
+may take (with the layer's bias, on the intra-op thread count of the call: a
+CPU step that splits off its selection runs on 1 thread, others on all); a
+weight that fails keeps ``F.linear`` there (logged). The probe runs once per weight shape,
 bias or none and thread count (:data:`_probed`), on the first weight of that
 kind, and its verdict holds for the others: whether two products give the same
 bits is a property of the code paths oneDNN and PyTorch choose, which follow
@@ -97,23 +98,33 @@ def _exact(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return True
 
 
-def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """oneDNN's packed copy of ``weight`` (``[out, in]`` bfloat16), or None where it is not exact
-    (probed once per shape, bias or none and thread count: module docstring)."""
-    global _logged
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+def _verdict(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``packed`` is exact on the calling thread's current intra-op thread count: the
+    probe's verdict for the weight's shape, bias or none and that count, probed here on first need
+    (module docstring). A count can change while a server runs: a CPU step whose next-step
+    selection runs on the select worker (``prefetch.select: split``) runs its forward on 1 thread."""
     kind = (tuple(weight.shape), bias is not None, torch.get_num_threads())
     exact = _probed.get(kind)
     if exact is None:
         exact = _probed[kind] = _exact(weight, packed, bias)
-    if exact:
+        if not exact:
+            log.warning("dd_sglang: packed bf16 linear %s differs from F.linear on %d threads; keeping "
+                        "F.linear there", kind[0], kind[2])  # fmt: skip
+    return exact
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's packed copy of ``weight`` (``[out, in]`` bfloat16), or None where it is not exact
+    on the current thread count (probed once per shape, bias or none and thread count: module
+    docstring)."""
+    global _logged
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    if _verdict(weight, packed, bias):
         if not _logged:
             _logged = True
             log.info("dd_sglang: bf16 linear weights packed in oneDNN's layout on first use (%s=0 turns it off)",
                      PREPACK_ENV)  # fmt: skip
         return packed
-    log.warning("dd_sglang: packed bf16 linear %s differs from F.linear here; keeping F.linear",
-                tuple(weight.shape))  # fmt: skip
     return None
 
 
@@ -157,6 +168,6 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | 
         entry = (key, _pack(w.detach(), bias))
         layer.__dict__[_ATTR] = entry
     packed = entry[1]
-    if packed is None:
+    if packed is None or not _verdict(w, packed, bias):  # exact at the count it was packed at, not this one
         return None
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

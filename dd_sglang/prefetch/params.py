@@ -37,8 +37,9 @@ class PrefetchParams:
             ``always``.
         select: where the next step's selection runs: ``worker`` (the select worker thread),
             ``inline`` (the forward thread, after the layer's attention), ``split`` (a CPU
-            device: the worker, with the forward thread's own operations on one intra-op
-            thread during sparse decode steps; elsewhere as ``worker``); ``auto``: ``worker``
+            device with 2+ intra-op threads: the worker, with the forward thread's own
+            operations on one intra-op thread during decode steps with a row selecting
+            ahead; elsewhere, or on one thread, as ``worker``); ``auto``: ``worker``
             on CUDA; on a CPU device ``split`` for a step with at least
             :data:`~dd_sglang.prefetch.runner.SPLIT_MIN_ROWS` rows selecting ahead (with 2+
             intra-op threads), else ``inline`` (``bench/results/decode_speed_select_auto_cpu.json``).

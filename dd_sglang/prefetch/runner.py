@@ -36,7 +36,7 @@ decode reads them, for :func:`~dd_sglang.kernels.sparse_decode.dense_decode_atte
 ``layer_done`` hands the slot back (the next copy reuses it) and queues, on the
 select worker, the choice of the next step's sets from this layer's queries
 (speculated or current, per selector) and the sampled hit-rate measurement.
-With the selection inline (a CPU's default, ``prefetch.select``) it keeps the
+With the selection inline (a CPU's default below :data:`SPLIT_MIN_ROWS` rows, ``prefetch.select``) it keeps the
 layer's selection queries and, every few layers, chooses the sets of those
 layers in one call per selector (:meth:`Selector.select_layers`): the same
 sets, with each small operation dispatched once per chunk instead of once per
@@ -348,9 +348,10 @@ class SparseStepRunner:
                 torch.set_num_threads(n)
 
     def _choose_split(self, plan: StepPlan | None) -> None:
-        """Whether this step splits (:data:`SPLIT_MIN_ROWS`): its selection then runs on the select
-        worker (queued by :meth:`layer_done`), else inline; and the forward thread's thread count.
-        Called after the previous step's selections were drained, so none is in flight."""
+        """Whether this step splits (``auto``: at least :data:`SPLIT_MIN_ROWS` rows selecting ahead;
+        ``split``: at least 1): its selection then runs on the select worker (queued by
+        :meth:`layer_done`), else inline; and the forward thread's thread count. Called after the
+        previous step's selections were drained, so none is in flight."""
         if self._split_threads is None:
             return
         rows = sum(int(g.query.shape[0]) for g in plan.ahead) if plan is not None else 0
