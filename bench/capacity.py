@@ -54,8 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shutil
 import statistics
@@ -67,6 +65,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
 from bench.server import flush_when_idle, launch_server, scrape
 
@@ -348,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dd_sglang.models.smollm2 import prepare_model
 
+    before = machine_state()
+    print(summary(before), flush=True)
+
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     rounds = [round_prompts(tok, r, args) for r in range(args.rounds)]
     if args.rounds == 1:
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "concurrent ~4k-token requests in one device KV budget, dense vs dualdecoder (CPU)",
         "command": "python -m bench.capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "machine": describe(before, machine_state()),
         "device_kv_budget_tokens": args.max_total_tokens,
         "rounds": args.rounds,
         "prompt_tokens": [[n for _, n, _ in p] for p in rounds]

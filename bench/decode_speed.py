@@ -90,8 +90,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import shutil
 import statistics
@@ -105,6 +103,7 @@ import httpx
 import yaml
 
 from bench.client import write_result
+from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, scrape, start_server
 from dd_sglang.platform.linear import PREPACK_ENV
@@ -275,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--cells must look like 4000x1,7900x1,4000x8, got {args.cells!r}")
     if any(c < 1 or b < 1 for c, b in pairs):
         ap.error(f"--cells / --contexts / --batches: contexts and batches must be >= 1, got {pairs}")
+    before = machine_state()
+    print(summary(before), flush=True)
     cells = []
     for c, b in pairs:
         prompts = []
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "warmup_tokens": args.warmup_tokens,
         "command": "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "machine": describe(before, machine_state()),
         "dtype": srv.dtype,
         "new_tokens": args.new_tokens,
         "temperature": args.temperature,
