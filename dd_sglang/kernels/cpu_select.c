@@ -338,6 +338,27 @@ static float kth_largest(const float *v, int n, int m, uint32_t *scratch) {
     return f;
 }
 
+/* take_top's scalar pass over candidates [c, n): as its contract below, with `*ties` equal-to-thr
+ * candidates still to take and w entries written so far; returns the new count. Branch-free: which
+ * candidates pass is unpredictable. */
+static inline int take_scalar(const float *sv, int c, int n, float thr, int *ties, scored *sc, int w) {
+    int t = *ties;
+    for (; c < n; c++) {
+        float x = sv[c];
+        int eq = x == thr, take = (x > thr) | (eq & (t > 0));
+        t -= eq & take;
+        sc[w].i = c;
+        w += take;
+    }
+    *ties = t;
+    return w;
+}
+/* The largest of x[c..n) and mx. */
+static inline float max_scalar(const float *x, int c, int n, float mx) {
+    for (; c < n; c++) mx = x[c] > mx ? x[c] : mx;
+    return mx;
+}
+
 /* Log-sum-exp of a[0..n) (n >= 1), and out[c] = max_j (a[j n + c] - z[j]) over G rows. */
 #if defined(__AVX512F__)
 static inline __m512 exp_neg16(__m512 x) {
@@ -392,14 +413,7 @@ static int take_top(const float *sv, int n, float thr, int mm, scored *sc) {
         for (int i = 0; i < t; i++) sc[w + i].i = idx[i];
         w += t;
     }
-    for (; c < n; c++) {
-        float x = sv[c];
-        int eq = x == thr, take = (x > thr) | (eq & (ties > 0));
-        ties -= eq & take;
-        sc[w].i = c;
-        w += take;
-    }
-    return w;
+    return take_scalar(sv, c, n, thr, &ties, sc, w);
 }
 /* The largest of x[0..n) (n >= 1; -inf for none larger); the same value as a scalar loop for any
  * order of the compares (a max of numbers; a NaN, which no logit is, could differ). */
@@ -407,9 +421,7 @@ static float max_of(const float *x, int n) {
     __m512 vm = _mm512_set1_ps(-INFINITY);
     int i = 0;
     for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
-    float mx = _mm512_reduce_max_ps(vm);
-    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
-    return mx;
+    return max_scalar(x, i, n, _mm512_reduce_max_ps(vm));
 }
 static void group_scores(const float *a, int64_t n, int G, const float *z, float *out) {
     int64_t c = 0;
@@ -429,21 +441,10 @@ static void group_scores(const float *a, int64_t n, int G, const float *z, float
 static int take_top(const float *sv, int n, float thr, int mm, scored *sc) {
     int above = 0;
     for (int c = 0; c < n; c++) above += sv[c] > thr;
-    int ties = mm - above, w = 0;
-    for (int c = 0; c < n; c++) { /* branch-free: which candidates pass is unpredictable */
-        float x = sv[c];
-        int eq = x == thr, take = (x > thr) | (eq & (ties > 0));
-        ties -= eq & take;
-        sc[w].i = c;
-        w += take;
-    }
-    return w;
+    int ties = mm - above;
+    return take_scalar(sv, 0, n, thr, &ties, sc, 0);
 }
-static float max_of(const float *x, int n) {
-    float mx = -INFINITY;
-    for (int i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
-    return mx;
-}
+static float max_of(const float *x, int n) { return max_scalar(x, 0, n, -INFINITY); }
 static float lse(const float *a, int n) {
     float mx = -INFINITY;
     for (int c = 0; c < n; c++) mx = a[c] > mx ? a[c] : mx;
