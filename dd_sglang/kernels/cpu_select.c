@@ -377,12 +377,17 @@ static inline __m512 exp_neg16(__m512 x) {
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
-static float lse(const float *a, int n) {
+/* The largest of x[0..n) (n >= 1; -inf for none larger); the same value as a scalar loop for any
+ * order of the compares (a max of numbers; a NaN, which no logit is, could differ). */
+static float max_of(const float *x, int n) {
     __m512 vm = _mm512_set1_ps(-INFINITY);
-    int c = 0;
-    for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(a + c));
-    float mx = _mm512_reduce_max_ps(vm);
-    for (; c < n; c++) mx = a[c] > mx ? a[c] : mx;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+    return max_scalar(x, i, n, _mm512_reduce_max_ps(vm));
+}
+static float lse(const float *a, int n) {
+    float mx = max_of(a, n);
+    int c;
     __m512 vs = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
     for (c = 0; c + 16 <= n; c += 16) vs = _mm512_add_ps(vs, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(a + c), vmx)));
     float sum = _mm512_reduce_add_ps(vs);
@@ -415,14 +420,6 @@ static int take_top(const float *sv, int n, float thr, int mm, scored *sc) {
     }
     return take_scalar(sv, c, n, thr, &ties, sc, w);
 }
-/* The largest of x[0..n) (n >= 1; -inf for none larger); the same value as a scalar loop for any
- * order of the compares (a max of numbers; a NaN, which no logit is, could differ). */
-static float max_of(const float *x, int n) {
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    int i = 0;
-    for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
-    return max_scalar(x, i, n, _mm512_reduce_max_ps(vm));
-}
 static void group_scores(const float *a, int64_t n, int G, const float *z, float *out) {
     int64_t c = 0;
     for (; c + 16 <= n; c += 16) {
@@ -446,8 +443,7 @@ static int take_top(const float *sv, int n, float thr, int mm, scored *sc) {
 }
 static float max_of(const float *x, int n) { return max_scalar(x, 0, n, -INFINITY); }
 static float lse(const float *a, int n) {
-    float mx = -INFINITY;
-    for (int c = 0; c < n; c++) mx = a[c] > mx ? a[c] : mx;
+    float mx = max_of(a, n);
     float sum = 0.0f;
     for (int c = 0; c < n; c++) sum += exp_neg(a[c] - mx);
     return mx + logf(sum);
