@@ -27,6 +27,9 @@ class BackendEvents(PrefetchEvents):
     def exact_rows(self, n: int) -> None:
         """``n`` of them had their whole context as critical set and were attended with dense's own call."""
 
+    def extend_rows_skipped(self, n: int) -> None:
+        """An extend layer skipped ``n`` query rows of cached prefixes (:mod:`dd_sglang.attention.extend`)."""
+
     def step(self, kind: str, seconds: float) -> None:
         """A decode forward finished: ``kind`` ``sparse`` (it had sparse rows) or ``dense``."""
 

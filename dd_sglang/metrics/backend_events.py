@@ -11,7 +11,8 @@ from __future__ import annotations
 
 
 class MetricsEvents:
-    """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_sparse_exact_rows_total``, ``dd_prefetch_*``,
+    """Counts the backend's events in ``dd_sparse_decode_rows_total``, ``dd_sparse_exact_rows_total``,
+    ``dd_extend_query_rows_skipped_total``, ``dd_prefetch_*``,
     ``dd_spec_*`` and ``dd_transfer_*``.
 
     With tensor parallelism every TP rank of a replica runs the same requests and steps over its
@@ -44,6 +45,10 @@ class MetricsEvents:
     def exact_rows(self, n: int) -> None:
         if self.primary:
             self.m.SPARSE_EXACT_ROWS.inc(n)
+
+    def extend_rows_skipped(self, n: int) -> None:
+        if self.primary and n:
+            self.m.EXTEND_QUERY_ROWS_SKIPPED.inc(n)
 
     def cold(self, selector: str, n: int) -> None:
         if self.primary:

@@ -97,6 +97,11 @@ SPARSE_EXACT_ROWS = Counter(
     "(request, layer) sparse rows whose critical set was their whole context, attended with the dense "
     "path's own attention call (bit-identical to dense decode).",
 )
+EXTEND_QUERY_ROWS_SKIPPED = Counter(
+    "dd_extend_query_rows_skipped",
+    "(token, layer) query rows of cached prefixes that SGLang's torch_native extend recomputes and the "
+    "dualdecoder backend skipped, with the same output bits (dd_sglang/kernels/extend.py).",
+)
 HOST_TIER_REBUILT_TOKENS = Counter(
     "dd_host_tier_rebuilt_tokens",
     "Tokens of finished requests' host-tier KV loaded back to the device as a new request's prefix (REBUILD).",
@@ -233,6 +238,7 @@ UNITS = {
     "dd_dualpath_transitions": "transitions",
     "dd_sparse_decode_rows": "(request, layer) rows",
     "dd_sparse_exact_rows": "(request, layer) rows",
+    "dd_extend_query_rows_skipped": "(token, layer) query rows",
     "dd_host_tier_rebuilt_tokens": "tokens",
     "dd_prefetch_hits": "critical-set slots (tokens per layer and KV head)",
     "dd_prefetch_lookups": "critical-set slots (tokens per layer and KV head)",

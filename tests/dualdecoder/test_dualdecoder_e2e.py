@@ -147,6 +147,16 @@ def combo_dense(server, combo_prompt):
     return r.json()["output_ids"]
 
 
+def skipped_query_rows(cached: int, n: int) -> int:
+    """Query rows of one layer that SGLang's torch_native extend of an ``n``-token prompt with ``cached``
+    cached tokens recomputes and the dualdecoder backend skips: up to the last multiple of 256 at or before
+    ``cached`` that still leaves 768 rows (PyTorch's CPU flash attention then blocks the query as SGLang's
+    whole-sequence call does: dd_sglang/kernels/extend.py)."""
+    if n < 768:
+        return 0
+    return min(cached // 256 * 256, (n - 768) // 256 * 256)
+
+
 @pytest.mark.parametrize("selector,speculator", PAIRS)
 def test_every_combination_at_full_top_k_is_token_identical(
     dd_server, combo_prompt, combo_dense, selector, speculator
@@ -164,6 +174,10 @@ def test_every_combination_at_full_top_k_is_token_identical(
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == combo_dense
     after = metrics(dd_server)
+    # Its prompt's cached prefix (after the first pair) was not recomputed, yet the tokens equal dense.
+    meta = r.json()["meta_info"]
+    skipped = delta(after, before, "dd_extend_query_rows_skipped_total")
+    assert skipped == N_LAYERS * skipped_query_rows(meta["cached_tokens"], meta["prompt_tokens"])
     assert (
         transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
         == 1
