@@ -57,7 +57,10 @@ class DenseFake:
 
 class Events(BackendEvents):
     def __init__(self):
-        self.cold_n, self.rows, self.steps, self.copied_bytes, self.exact = 0, 0, [], 0, 0
+        self.cold_n, self.rows, self.steps, self.copied_bytes, self.exact, self.repaired = 0, 0, [], 0, 0, 0
+
+    def miss(self, policy, n, repaired_tokens):
+        self.repaired += repaired_tokens
 
     def exact_rows(self, n):
         self.exact += n
@@ -405,6 +408,23 @@ def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_specul
     _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident)
 
 
+@pytest.mark.parametrize("fraction,budget", [(0.5, 12), (0.25, 8)])
+def test_repair_fraction_widens_the_repair_to_a_share_of_top_k(fraction, budget):
+    """prefetch.repair_fraction: a rejected step repairs ceil(fraction x top_k) tokens per layer and KV
+    head where that beats repair_budget (top_k 24: 0.5 -> 12 > 8; 0.25 -> 6, so the budget's 8)."""
+    kernel = "native" if native_kernel.available() else "torch"
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, repair_fraction=fraction,
+                               rerank=100, kernel=kernel, transfer="auto"), top_k=24, selector="spec_host_exact")  # fmt: skip
+    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
+    cand_prev = h.st.host_candidates()
+    _, qs_prev, _ = h.step()
+    resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+    cand = h.st.host_candidates()
+    _, qs, outs = h.step(tok=99)  # rejected, repaired
+    _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident, budget=budget)
+    assert h.events.repaired == LAYERS * HKV * budget
+
+
 def _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident, k=24, budget=8):
     """Each layer's real query attended to the resident set, the ``k`` its previous speculated query
     chose among ``cand_prev``, and the real query's ``budget`` best candidates not among them."""
@@ -491,3 +511,14 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     assert fb.dd_step is None
     finish_step(out, fb)  # a second logits call of the same batch is left alone
     assert out.next_token_logits.shape[0] == 1
+
+
+def test_repair_budget_is_the_larger_of_budget_and_fraction_capped_by_the_unheld_candidates():
+    from dd_sglang.prefetch.plan import repair_budget
+
+    inp = SimpleNamespace(repair_budget=32, repair_fraction=0.5)
+    assert repair_budget(inp, [], []) == 0  # no row repairs
+    assert repair_budget(inp, [125, 40], [3800, 3800]) == 63  # ceil(0.5 x 125) > 32
+    assert repair_budget(inp, [40], [3800]) == 32  # ceil(0.5 x 40) = 20 < 32
+    assert repair_budget(inp, [256, 256], [3800, 270]) == 14  # the second row holds 256 of 270
+    assert repair_budget(SimpleNamespace(repair_budget=32, repair_fraction=0.0), [256], [3800]) == 32

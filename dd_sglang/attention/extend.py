@@ -21,7 +21,7 @@ def skips_prefix_queries(layer, fb) -> bool:
     """Whether ``fb`` (SGLang's ``ForwardBatch``) is a plain extend (``ForwardMode.EXTEND``) of a
     causal decoder self-attention ``layer`` (no sliding window, no encoder) in which some request's
     cached prefix lets :func:`~dd_sglang.kernels.extend.aligned_query_start` skip query rows."""
-    if fb.forward_mode.name != "EXTEND" or layer.is_cross_attention:
+    if getattr(fb.forward_mode, "name", None) != "EXTEND" or layer.is_cross_attention:
         return False
     if getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
         return False

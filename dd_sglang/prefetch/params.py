@@ -18,6 +18,8 @@ class PrefetchParams:
             speculated token was rejected, fetch synchronously the ``repair_budget`` best
             candidates of the real query that were not prefetched, per layer and KV head).
         repair_budget: tokens per layer and KV head a repair may add.
+        repair_fraction: a repair may add ``ceil(repair_fraction x top_k)`` tokens where that is
+            more than ``repair_budget`` (``top_k``: the largest of the step's repairing rows).
         hit_rate_sample: fraction of (request, step)s on which the exact top-k of the real
             query is computed to measure the prefetch hit rate (0 disables, 1 every step).
         rerank: ``spec_host`` re-ranks exactly the ``rerank x k`` best candidates of its
@@ -58,6 +60,7 @@ class PrefetchParams:
     depth: int = 2
     miss_policy: str = "repair"
     repair_budget: int = 32
+    repair_fraction: float = 0.0
     hit_rate_sample: float = 0.05
     rerank: float = 2.0
     transfer: str = "auto"

@@ -44,6 +44,7 @@ tensors. Building a plan:
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -289,6 +290,7 @@ class PlanInputs:
     rng: random.Random
     real_query: str = "never"
     sampling: str = "coupled"
+    repair_fraction: float = 0.0
 
 
 def _history(st, token: int) -> list[int]:
@@ -460,7 +462,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     inp.store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
                                    max((rows[j].st.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
     repair = [j for j in range(n_ahead) if rows[j].rejected and (rows[j].st.miss_policy or inp.miss_policy) == "repair"]
-    budget = inp.repair_budget if repair else 0
+    budget = repair_budget(inp, [rows[j].st.top_k for j in repair], [rows[j].cand.numel() for j in repair])
     n_res = max(int(r.dev_pos.numel()) for r in rows)
     r2t = inp.req_to_token
     res_slots = _pad_stack([r2t[int(fb.req_pool_indices[r.batch_row])][r.dev_pos.to(r2t.device)].long().cpu()
@@ -508,6 +510,17 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         exact_cols=tuple(c.to(dev) for _, c in exact),
         seeds=tuple(_seed(r) for r in rows) if inp.sampling == "coupled" else (),
     )
+
+
+def repair_budget(inp: PlanInputs, top_ks: list[int], candidates: list[int]) -> int:
+    """Repair columns of a step whose repairing rows have these ``top_k`` and host ``candidates``
+    (none: 0): the preset's ``repair_budget``, or ``ceil(repair_fraction x max(top_k))`` where that
+    is more, but no more than the fewest candidates a row does not hold (``candidates - top_k``, at
+    least 1 for a lookahead row), so a repair never picks a held token twice."""
+    if not top_ks:
+        return 0
+    want = max(inp.repair_budget, math.ceil(inp.repair_fraction * max(top_ks)))
+    return max(1, min(want, *(c - k for c, k in zip(candidates, top_ks, strict=True))))
 
 
 def _exact_cols(r: _Row, n_res: int) -> torch.Tensor | None:

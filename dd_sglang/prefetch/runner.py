@@ -266,6 +266,7 @@ class SparseStepRunner:
             make_index=self.index,
             miss_policy=params.miss_policy,
             repair_budget=params.repair_budget,
+            repair_fraction=params.repair_fraction,
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
             real_query=params.real_query,
