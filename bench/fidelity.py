@@ -398,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     if pairs and args.dd_url:
         ap.error("--prefetch sets the server this run starts; it cannot change --dd-url's")
     args.prefetch = {k: yaml.safe_load(v) for k, v in pairs} or None
+    if args.prefetch:  # refused before any server starts, with the preset's own message
+        from dd_sglang.config import ConfigError, parse_config
+
+        preset = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "cpu-smollm2.yaml").read_text())
+        preset["prefetch"].update(args.prefetch)
+        try:
+            parse_config(preset, "--prefetch")
+        except ConfigError as err:
+            ap.error(str(err))
     t0 = time.monotonic()
     result = {
         "command": "python -m bench.fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),

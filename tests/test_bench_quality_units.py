@@ -176,3 +176,14 @@ def test_capacity_ratios_are_per_round_medians():
     single = ratios({"torch_native": rnd(10, 5), "dualdecoder": rnd(35, 10), "torch_native:room": rnd(20, 8)})
     assert single["steady_decode_dualdecoder_over_dense_same_budget"] == 3.5
     assert single["dualdecoder_over_dense_with_room"] == 1.25
+
+
+def test_fidelity_refuses_a_bad_prefetch_key_before_starting_a_server(capsys):
+    """``bench.fidelity --prefetch`` is checked against the preset schema first (no server, exit 2)."""
+    from bench import fidelity
+
+    for bad, msg in (("repair_fraction=2", "less than or equal to 1"), ("bogus=1", "unknown key 'prefetch.bogus'"),
+                     ("nonsense", "--prefetch takes KEY=VALUE")):  # fmt: skip
+        with pytest.raises(SystemExit) as ex:
+            fidelity.main(["--quick", "--prefetch", bad, "--out", "/dev/null"])
+        assert ex.value.code == 2 and msg in capsys.readouterr().err
