@@ -39,16 +39,23 @@ class Endpoint:
     start_seconds: float | None = None  # None: handed in, not started here
 
 
-def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None,
-                 prefetch: dict | None = None) -> Path:  # fmt: skip
-    """The default CPU preset with ``prefetch.hit_rate_sample`` set (1.0: every step measured) and,
-    optionally, ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory)
-    and other ``prefetch`` keys (``prefetch``: a dict merged into that section)."""
+def preset_dict(hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None, prefetch: dict | None = None) -> dict:
+    """The default CPU preset (``configs/cpu-smollm2.yaml``, unvalidated) with
+    ``prefetch.hit_rate_sample`` set (1.0: every step measured) and, optionally,
+    ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory) and other
+    ``prefetch`` keys (``prefetch``: a dict merged into that section)."""
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
     preset["prefetch"].update(prefetch or {})
     if host_tier_bytes is not None:
         preset["sparse"]["host_tier_bytes"] = host_tier_bytes
+    return preset
+
+
+def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None,
+                 prefetch: dict | None = None) -> Path:  # fmt: skip
+    """:func:`preset_dict` written to a YAML file under ``tmp``; its path (for ``--dd-config``)."""
+    preset = preset_dict(hit_rate_sample, host_tier_bytes, prefetch)
     tag = "_".join(f"{k}-{v}" for k, v in sorted((prefetch or {}).items()))
     path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}_{tag}.yaml"
     path.write_text(yaml.safe_dump(preset))

@@ -82,6 +82,7 @@ from bench.client import (
     generate,
     n_layers_of_model,
     prefill_logprobs,
+    preset_dict,
     served,
     stop_left_running,
     write_result,
@@ -348,7 +349,7 @@ def summarize(args, contexts, fractions, texts, configs, trial_cases, dense, rec
         "settings": {"contexts": contexts, "fractions": fractions, "trials": args.trials, "texts": texts,
                      "nll_tokens": args.nll_tokens, "agree_tokens": args.agree_tokens,
                      "retrieval_tokens": RETRIEVAL_TOKENS, "dense": args.dense, "configs": configs, "default_config": DEFAULT_CONFIG,
-                     "prefetch_hit_rate_sample": 1.0, "prefetch": getattr(args, "prefetch", None), "quick": args.quick},
+                     "prefetch_hit_rate_sample": 1.0, "prefetch": args.prefetch, "quick": args.quick},
         "dense": dense_cells,
         "cells": cells,
         "default_lost_vs_oracle": lost,
@@ -401,10 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefetch:  # refused before any server starts, with the preset's own message
         from dd_sglang.config import ConfigError, parse_config
 
-        preset = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "cpu-smollm2.yaml").read_text())
-        preset["prefetch"].update(args.prefetch)
-        try:
-            parse_config(preset, "--prefetch")
+        try:  # the very preset the server gets (bench.client.bench_preset)
+            parse_config(preset_dict(1.0, prefetch=args.prefetch), "--prefetch")
         except ConfigError as err:
             ap.error(str(err))
     t0 = time.monotonic()
