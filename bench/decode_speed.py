@@ -7,7 +7,7 @@ Usage::
                                  [--select-worker] [--select-split] [--select-inline] [--torch-kernel]
                                  [--unpacked-dense]
                                  [--temperature 0.8] [--independent-sampling] [--inline-transfer]
-                                 [--selectors host_sync]
+                                 [--repair-fraction 1] [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -78,6 +78,13 @@ With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
 ring before attention, instead of read in place from the host tier, a CPU's
 default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
+With ``--repair-fraction F`` one more ``dualdecoder`` server runs the preset
+with ``prefetch.repair_fraction: F`` (a repair after a rejected speculation may
+add ``ceil(F x top_k)`` tokens instead of the fixed ``repair_budget``), its runs
+as ``dualdecoder_sparse_repair_fraction`` and ``repair_fraction_over_default``
+its tokens/s over the default's. Each sparse breakdown also gives ``repairs``
+(repaired (request, layer) rows) and ``repaired_tokens`` (summed over KV heads)
+per step.
 With ``--selectors A,B`` each named selector also runs on the ``dualdecoder``
 server, per request (``custom_params.dd_selector``, the preset's speculator),
 as ``dualdecoder_sparse_A``, with ``A_over_sglang_dense`` and
@@ -170,6 +177,9 @@ def breakdown(before: dict, after: dict, kind: str) -> dict:
     out["select_ahead"] = _d(after, before, 'dd_step_phase_seconds_total{phase="select_ahead"}') / steps
     out["copy"] = _d(after, before, "dd_transfer_copy_seconds_sum") / steps
     out["transfer_bytes"] = _d(after, before, "dd_transfer_bytes_total") / steps
+    # Per step, summed over layers (and, for tokens, KV heads): lookahead rows repaired after a rejection.
+    out["repairs"] = _d(after, before, 'dd_prefetch_misses_total{policy="repair"}') / steps
+    out["repaired_tokens"] = _d(after, before, "dd_prefetch_repaired_tokens_total") / steps
     return out
 
 
@@ -187,6 +197,7 @@ RATIOS = (
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
     ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
     ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
+    ("repair_fraction_over_default", "dualdecoder_sparse_repair_fraction", "dualdecoder_sparse"),
 )
 
 
@@ -239,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline-transfer", action="store_true",
                     help="also run the sparse default on a server with prefetch.transfer: inline (critical sets "
                          "copied into the ring, not read in place)")  # fmt: skip
+    ap.add_argument("--repair-fraction", type=float, default=None, metavar="F",
+                    help="also run the sparse default on a server with prefetch.repair_fraction: F (0..1)")  # fmt: skip
     ap.add_argument("--selectors", default="",
                     help="comma list of further selectors run on the dualdecoder server per request "
                          "(custom_params.dd_selector), e.g. host_sync")  # fmt: skip
@@ -253,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "dualdecoder_sparse")))  # fmt: skip
     if not 0.0 <= args.temperature <= 2.0:
         ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
+    if args.repair_fraction is not None and not 0.0 <= args.repair_fraction <= 1.0:
+        ap.error(f"--repair-fraction must be in [0, 1], got {args.repair_fraction}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup_tokens < 0:
@@ -302,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("select_inline", "select", "inline", "dualdecoder_sparse_select_inline", args.select_inline),
                 ("torch_kernel", "kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
                 ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling),
-                ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer)]  # fmt: skip
+                ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer),
+                ("repair_fraction", "repair_fraction", args.repair_fraction, "dualdecoder_sparse_repair_fraction",
+                 args.repair_fraction is not None)]  # fmt: skip
     for backend, key, value, run_key, wanted in variants:
         if wanted:
             preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
@@ -377,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    default / inline selection {r['default_over_inline_select']:.2f}x")
         if "in_place_over_inline" in r:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
+        if "repair_fraction_over_default" in r:
+            print(f"    repair_fraction {args.repair_fraction} / default {r['repair_fraction_over_default']:.2f}x")
         if "coupled_over_independent" in r:
             print(f"    coupled/independent sampling {r['coupled_over_independent']:.2f}x")
         if "packed_over_unpacked_dense" in r:
