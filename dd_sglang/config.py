@@ -135,8 +135,9 @@ class PrefetchSection(_Strict):
     ``depth + 1`` layer buffers. ``miss_policy`` (default ``repair``): ``use_prefetched`` attends over
     what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
     layer and KV head synchronously when the speculated token was rejected, or
-    ``repair_fraction x top_k`` (rounded up) where that is more (0: the fixed budget; 1: every
-    token of the real query's top-k the prediction missed, as ``host_sync`` would attend).
+    ``repair_fraction x top_k`` (rounded up) where that is more (default 1: every token of the
+    real query's top-k the prediction missed, as ``host_sync`` would attend; 0: the fixed budget;
+    ``bench/results/fidelity_cpu.json``, ``bench/results/decode_speed_repair_cpu.json``).
     ``hit_rate_sample`` is the fraction of steps whose hit rate is measured
     against the exact top-k. ``rerank``: ``spec_host`` scores every candidate
     with its int8 host-tier key index and re-ranks the best ``rerank x top_k``
@@ -188,7 +189,7 @@ class PrefetchSection(_Strict):
     depth: int = Field(2, ge=0, le=64)
     miss_policy: Literal["use_prefetched", "repair"] = "repair"
     repair_budget: int = Field(32, ge=1, le=1_000_000)
-    repair_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    repair_fraction: float = Field(1.0, ge=0.0, le=1.0)
     hit_rate_sample: float = Field(0.05, ge=0.0, le=1.0)
     rerank: float = Field(2.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline", "in_place"] = "auto"

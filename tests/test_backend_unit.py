@@ -350,7 +350,8 @@ def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_ta
     fixed rows' and a repair's) are copied into the ring slot after all and attended from there."""
     from dd_sglang.prefetch.runner import SparseStepRunner
 
-    h = Harness(_kernel_params("native", transfer="in_place", miss_policy="repair", repair_budget=8, rerank=100),
+    h = Harness(_kernel_params("native", transfer="in_place", miss_policy="repair", repair_budget=8, repair_fraction=0.0,
+                                rerank=100),
                 top_k=24, selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
@@ -396,14 +397,14 @@ def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_specul
     repaired tokens copied into the ring or read in place."""
     if kernel == "native" and not native_kernel.available():
         pytest.skip(f"no CPU selection kernel here: {native_kernel.unavailable_reason()}")
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, rerank=100,
-                               kernel=kernel, transfer=transfer), top_k=24, selector="spec_host_exact")  # fmt: skip
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, repair_fraction=0.0,
+                               rerank=100, kernel=kernel, transfer=transfer), top_k=24, selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
     resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
     cand = h.st.host_candidates()
-    fb, qs, outs = h.step(tok=99)  # not the speculated token: rejected, repaired
+    fb, qs, outs = h.step(tok=99)  # not the speculated token: rejected, repaired (the fixed budget: fraction 0)
     assert fb.dd_step is None
     _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident)
 

@@ -60,7 +60,7 @@ class PrefetchParams:
     depth: int = 2
     miss_policy: str = "repair"
     repair_budget: int = 32
-    repair_fraction: float = 0.0
+    repair_fraction: float = 1.0
     hit_rate_sample: float = 0.05
     rerank: float = 2.0
     transfer: str = "auto"

@@ -290,7 +290,7 @@ class PlanInputs:
     rng: random.Random
     real_query: str = "never"
     sampling: str = "coupled"
-    repair_fraction: float = 0.0
+    repair_fraction: float = 1.0
 
 
 def _history(st, token: int) -> list[int]:

@@ -35,7 +35,9 @@ N_LAYERS = 30  # SmolLM2-135M
 PROMPT_TARGET = 4200  # passkey_prompt size target: ~4,000 tokens
 RESIDENT_BOUND = 4 + 0 + 128 + 64  # n_sink + n_keep + n_recent + page_size (default preset)
 DEPTH = 2  # prefetch.depth (default preset)
-REPAIR_BUDGET = 32  # prefetch.repair_budget (default preset): ring columns for a rejected speculation's repair
+# Ring columns for a rejected speculation's repair at top_k 256 on a ~4k prompt (default preset):
+# max(prefetch.repair_budget 32, ceil(prefetch.repair_fraction 1.0 x top_k)), no more than the unheld candidates.
+REPAIR_BUDGET = 256
 
 
 def kv_row_bytes(srv) -> int:
@@ -241,7 +243,8 @@ def test_every_combination_at_top_256_finds_the_passkey(dd_server, combo_prompt,
 
 def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(dd_server, combo_prompt):
     """miss_policy repair (per-request override): every layer of every step whose speculated token was
-    rejected fetches repair_budget (32) missing tokens per KV head synchronously; nothing else does."""
+    rejected fetches REPAIR_BUDGET (256: repair_fraction 1 x top_k) missing tokens per KV head
+    synchronously; nothing else does."""
     before = metrics(dd_server)
     custom = {"dd_selector": "spec_host", "dd_speculator": "ngram", "dd_miss_policy": "repair"}
     lab = '{speculator="ngram"}'
@@ -262,7 +265,7 @@ def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(d
     assert proposed > 0 and rejected > 0, (proposed, rejected)
     repairs = delta(after, before, 'dd_prefetch_misses_total{policy="repair"}')
     assert repairs == rejected * N_LAYERS
-    assert delta(after, before, "dd_prefetch_repaired_tokens_total") == repairs * 3 * 32
+    assert delta(after, before, "dd_prefetch_repaired_tokens_total") == repairs * 3 * REPAIR_BUDGET
     assert delta(after, before, 'dd_prefetch_misses_total{policy="use_prefetched"}') == 0
 
 
@@ -342,8 +345,8 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
     # int8 K and a float32 scale per slot, layer and KV head, in host memory
     assert spec["dd_host_index_bytes"] == capacity // (2 * 64 * dd_server.kv_itemsize) * (64 + 4)
     assert 0 < spec["dd_layer_ring_buffer_bytes"] <= bound
-    # The critical-set columns: 256 of the ring's columns, K and V, every slot; 32 more on a step that
-    # repairs a rejected speculation.
+    # The critical-set columns: 256 of the ring's columns, K and V, every slot; REPAIR_BUDGET more on a
+    # step that repairs a rejected speculation.
     assert spec["dd_critical_set_buffer_bytes"] in {
         (DEPTH + 1) * 1 * cols * kv_row_bytes(dd_server) for cols in (256, 256 + REPAIR_BUDGET)
     }
