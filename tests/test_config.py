@@ -194,8 +194,44 @@ def _launch(*args, env=None, timeout=120):
     )
 
 
-def test_help_passes_through_without_starting_anything():
-    r = _launch("--port", "1", "--help")
+@pytest.fixture(scope="module")
+def sglang_cli(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The two launcher runs that reach SGLang's own parser (``--help``; a flag SGLang refuses), started
+    at once: each spends most of its 20-50 s importing SGLang on one core, so side by side they take
+    about the time of one. Keys ``help`` and ``bogus``."""
+    import os
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    model = tmp_path_factory.mktemp("model")
+    argvs = {
+        "help": ["--port", "1", "--help"],
+        "bogus": ["--model-path", str(model), "--port", ports[0], "--metrics-port", ports[1], "--bogus-flag", "3"],
+    }
+    procs = {
+        k: subprocess.Popen([sys.executable, "-m", "dd_sglang.launch_server", *a], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))  # fmt: skip
+        for k, a in argvs.items()
+    }
+    out = {}
+    try:
+        for k, p in procs.items():
+            stdout, stderr = p.communicate(timeout=300)
+            out[k] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def test_help_passes_through_without_starting_anything(sglang_cli):
+    r = sglang_cli["help"]
     assert r.returncode == 0
     assert "dd_sglang flags" in r.stdout and "--model-path" in r.stdout
     assert "starting SGLang" not in r.stderr
@@ -208,18 +244,10 @@ def test_same_port_for_api_and_metrics_is_refused_whatever_the_host_spelling(tmp
     assert r.returncode == 2 and "equals SGLang's --port" in r.stderr
 
 
-def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(tmp_path):
+def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(sglang_cli):
     """SGLang's own parser judges SGLang's flags (no hand-written flag table here): its usage error
     becomes the launcher's exit code 2, and nothing is left running."""
-    import socket
-
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(str(s.getsockname()[1]))
-    r = _launch("--model-path", str(tmp_path), "--port", ports[0], "--metrics-port", ports[1],
-                "--bogus-flag", "3", timeout=300)  # fmt: skip
+    r = sglang_cli["bogus"]
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-2000:]
     assert "unrecognized arguments: --bogus-flag 3" in out and "refused its command line" in out
