@@ -199,7 +199,6 @@ def sglang_cli(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The two launcher runs that reach SGLang's own parser (``--help``; a flag SGLang refuses), started
     at once: each spends most of its 20-50 s importing SGLang on one core, so side by side they take
     about the time of one. Keys ``help`` and ``bogus``."""
-    import os
     import socket
 
     ports = []
@@ -214,7 +213,7 @@ def sglang_cli(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     }
     procs = {
         k: subprocess.Popen([sys.executable, "-m", "dd_sglang.launch_server", *a], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))  # fmt: skip
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
         for k, a in argvs.items()
     }
     out = {}
