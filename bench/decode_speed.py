@@ -85,6 +85,11 @@ as ``dualdecoder_sparse_repair_fraction`` and ``repair_fraction_over_default``
 its tokens/s over the default's. Each sparse breakdown also gives ``repairs``
 (repaired (request, layer) rows) and ``repaired_tokens`` (summed over KV heads)
 per step.
+With ``--hit-rate-sample F`` one more ``dualdecoder`` server runs the preset with
+``prefetch.hit_rate_sample: F`` (the fraction of (request, step)s whose prefetch hit
+rate is measured against the exact top-k, in every layer), its runs as
+``dualdecoder_sparse_hit_rate_sample`` and ``hit_rate_sample_over_default`` its
+tokens/s over the default's (the preset's 0.01).
 With ``--selectors A,B`` each named selector also runs on the ``dualdecoder``
 server, per request (``custom_params.dd_selector``, the preset's speculator),
 as ``dualdecoder_sparse_A``, with ``A_over_sglang_dense`` and
@@ -198,6 +203,7 @@ RATIOS = (
     ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
     ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
     ("repair_fraction_over_default", "dualdecoder_sparse_repair_fraction", "dualdecoder_sparse"),
+    ("hit_rate_sample_over_default", "dualdecoder_sparse_hit_rate_sample", "dualdecoder_sparse"),
 )
 
 
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                          "copied into the ring, not read in place)")  # fmt: skip
     ap.add_argument("--repair-fraction", type=float, default=None, metavar="F",
                     help="also run the sparse default on a server with prefetch.repair_fraction: F (0..1)")  # fmt: skip
+    ap.add_argument("--hit-rate-sample", type=float, default=None, metavar="F",
+                    help="also run the sparse default on a server with prefetch.hit_rate_sample: F (0..1)")  # fmt: skip
     ap.add_argument("--selectors", default="",
                     help="comma list of further selectors run on the dualdecoder server per request "
                          "(custom_params.dd_selector), e.g. host_sync")  # fmt: skip
@@ -268,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.repair_fraction is not None and not 0.0 <= args.repair_fraction <= 1.0:
         ap.error(f"--repair-fraction must be in [0, 1], got {args.repair_fraction}")
+    if args.hit_rate_sample is not None and not 0.0 <= args.hit_rate_sample <= 1.0:
+        ap.error(f"--hit-rate-sample must be in [0, 1], got {args.hit_rate_sample}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup_tokens < 0:
@@ -319,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling),
                 ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer),
                 ("repair_fraction", "repair_fraction", args.repair_fraction, "dualdecoder_sparse_repair_fraction",
-                 args.repair_fraction is not None)]  # fmt: skip
+                 args.repair_fraction is not None),
+                ("hit_rate_sample", "hit_rate_sample", args.hit_rate_sample, "dualdecoder_sparse_hit_rate_sample",
+                 args.hit_rate_sample is not None)]  # fmt: skip
     for backend, key, value, run_key, wanted in variants:
         if wanted:
             preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
@@ -396,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
         if "repair_fraction_over_default" in r:
             print(f"    repair_fraction {args.repair_fraction} / default {r['repair_fraction_over_default']:.2f}x")
+        if "hit_rate_sample_over_default" in r:
+            print(f"    hit_rate_sample {args.hit_rate_sample} / default {r['hit_rate_sample_over_default']:.2f}x")
         if "coupled_over_independent" in r:
             print(f"    coupled/independent sampling {r['coupled_over_independent']:.2f}x")
         if "packed_over_unpacked_dense" in r:

@@ -61,7 +61,7 @@ class PrefetchParams:
     miss_policy: str = "repair"
     repair_budget: int = 32
     repair_fraction: float = 1.0
-    hit_rate_sample: float = 0.05
+    hit_rate_sample: float = 0.01
     rerank: float = 2.0
     transfer: str = "auto"
     select: str = "auto"
