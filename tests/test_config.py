@@ -199,17 +199,13 @@ def sglang_cli(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The two launcher runs that reach SGLang's own parser (``--help``; a flag SGLang refuses), started
     at once: each spends most of its 20-50 s importing SGLang on one core, so side by side they take
     about the time of one. Keys ``help`` and ``bogus``."""
-    import socket
+    from bench.server import free_port
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(str(s.getsockname()[1]))
     model = tmp_path_factory.mktemp("model")
     argvs = {
         "help": ["--port", "1", "--help"],
-        "bogus": ["--model-path", str(model), "--port", ports[0], "--metrics-port", ports[1], "--bogus-flag", "3"],
+        "bogus": ["--model-path", str(model), "--port", str(free_port()), "--metrics-port", str(free_port()),
+                  "--bogus-flag", "3"],
     }
     procs = {
         k: subprocess.Popen([sys.executable, "-m", "dd_sglang.launch_server", *a], stdout=subprocess.PIPE,
