@@ -33,15 +33,17 @@ from bench.prompts import passkey_prompt
 from bench.server import start_server
 
 
-def _stream(url: str, prompt: str, n: int) -> tuple[float, float]:
-    """(seconds to the first token, decode tokens/s) of one greedy streamed completion."""
+def _stream(url: str, prompt: str, n: int) -> tuple[float, float | None]:
+    """(seconds to the first token, decode tokens/s) of one greedy streamed completion of ``n``
+    tokens; the rate is None when fewer than two chunks came back (``n`` = 1: a prefill timing)."""
     body = {"model": "x", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
     t0, times = time.monotonic(), []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.monotonic())
-    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
+    return times[0] - t0, rate
 
 
 def measure(dtype: str, tok, repeats: int) -> dict:
@@ -76,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model
-    from dd_sglang.platform.dtype import cpu_flags, native_bf16
+    from dd_sglang.platform.dtype import cpu_flags, cpu_model, native_bf16
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     runs = [measure(d, tok, args.repeats) for d in ("bfloat16", "float32")]
     bf, f32 = runs
     result = {
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "cpu_model": cpu_model(),
                     "isa": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
                     "native_bf16": native_bf16()},  # fmt: skip
         "runs": runs,

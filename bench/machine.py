@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dd_sglang.platform.dtype import NATIVE_BF16_FLAGS, cpu_flags, cpu_model
+
 #: The probe's shapes: SmolLM2-135M's query heads and head dim (``dd_sglang.models.smollm2``), one
 #: decode query against a 4,000-token context (the 4k cells of ``bench.decode_speed`` and
 #: ``bench.capacity``).
@@ -61,9 +63,11 @@ def machine_state(calls: int = 50) -> dict:
 
 
 def describe(before: dict, after: dict | None = None) -> dict:
-    """A benchmark JSON's ``machine`` field: processor, CPU count and :func:`machine_state` taken
-    before the run (``before``) and after it (``after``, when given)."""
-    out = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "state_before": before}
+    """A benchmark JSON's ``machine`` field: processor, CPU model (vendor and model name), its bf16
+    instructions (``avx512_bf16``, ``amx_bf16``), CPU count and :func:`machine_state` taken before the
+    run (``before``) and after it (``after``, when given)."""
+    out = {"processor": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
+           "bf16_isa": sorted(NATIVE_BF16_FLAGS & cpu_flags()), "cpus": os.cpu_count(), "state_before": before}  # fmt: skip
     if after is not None:
         out["state_after"] = after
     return out
@@ -72,5 +76,6 @@ def describe(before: dict, after: dict | None = None) -> dict:
 def summary(state: dict) -> str:
     """One log line of a :func:`machine_state`."""
     ms = state["sdpa_decode_ms"]
-    return (f"machine state: one SDPA decode call over {PROBE_KEYS} keys {ms['bfloat16']} ms bfloat16, "
+    return (f"machine state ({cpu_model() or 'CPU model unknown'}, bf16 ISA: "
+            f"{'/'.join(sorted(NATIVE_BF16_FLAGS & cpu_flags())) or 'none'}): one SDPA decode call over {PROBE_KEYS} keys {ms['bfloat16']} ms bfloat16, "
             f"{ms['float32']} ms float32 ({state['intra_op_threads']} threads)")  # fmt: skip

@@ -23,6 +23,17 @@ def test_describe_keeps_both_states():
     out = machine.describe(before, after)
     assert out["state_before"] is before and out["state_after"] is after and out["cpus"] >= 1
     assert "state_after" not in machine.describe(before)
+    assert set(out) >= {"cpu_model", "bf16_isa"} and set(out["bf16_isa"]) <= {"avx512_bf16", "amx_bf16"}
+
+
+def test_cpu_model_reads_vendor_and_model_name_of_the_first_cpu(tmp_path):
+    from dd_sglang.platform.dtype import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\n"
+                    "\nprocessor\t: 1\nvendor_id\t: Other\nmodel name\t: Other CPU\n")  # fmt: skip
+    assert cpu_model(str(info)) == "GenuineIntel Intel(R) Xeon(R) Platinum 8481C"
+    assert cpu_model(str(tmp_path / "missing")) == ""
 
 
 @pytest.mark.parametrize("calls, keys", [(0, 10), (1, 0)])

@@ -22,6 +22,25 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+@cache
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first CPU's ``vendor_id`` and ``model name`` in ``cpuinfo`` (e.g. ``"AuthenticAMD AMD EPYC"``),
+    or ``""`` where the file is absent. Hosts of one machine kind differ (an Intel CPU with AMX one
+    day, an AMD one without it the next), and bf16 speed follows the CPU, so benchmarks record it."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return ""
+    fields = dict.fromkeys(("vendor_id", "model name"), "")
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip()
+        if key in fields and not fields[key]:
+            fields[key] = line.split(":", 1)[1].strip()
+        if not line.strip() and any(fields.values()):
+            break
+    return " ".join(v for v in fields.values() if v)
+
+
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU has native bf16 matrix instructions (:data:`NATIVE_BF16_FLAGS`)."""
     return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
