@@ -1,14 +1,18 @@
 """The machine a speed benchmark ran on, and how fast it was at that moment.
 
-This machine's speed moves ~2x between hours, and not evenly: on 2026-12-04 from 00:13 to 05:10
-SGLang dense decoded 2-3x slower than the evening before while the sparse step slowed by at most
-1.4x (``bench/results/capacity_rounds_split_morning_cpu.json``, ``decode_speed_morning_cpu.json``).
-In that state one bfloat16 ``scaled_dot_product_attention`` of one query over 4,000 keys (SmolLM2's
-9 heads of 64) took 2.6-3.1 ms against 0.7 ms in float32: SGLang's ``torch_native`` decode makes
-that call once per request and layer (30 layers), and the sparse path's C attention does not. So
-:func:`machine_state` times that call (and a float32 one beside it) in the benchmark's own process,
-before its servers start and after they stop, and the speed benchmarks record both in their JSON:
-a ratio of the sparse path over dense means little without the dense attention's speed that day.
+This machine kind is not one CPU. On 2026-12-04 from 00:13 to 05:10 SGLang dense decoded 2-3x
+slower than the evening before while the sparse step slowed by at most 1.4x
+(``bench/results/capacity_rounds_split_morning_cpu.json``, ``decode_speed_morning_cpu.json``); in
+that state one bfloat16 ``scaled_dot_product_attention`` of one query over 4,000 keys (SmolLM2's 9
+heads of 64) took 2.3-3.1 ms against 0.4-0.7 ms in float32. The same evening a host that named
+itself an AMD EPYC (``avx512_bf16``, no AMX) read 2.2-2.5 ms against 0.3-0.5 ms, and there that
+bfloat16 call makes no oneDNN call (``ONEDNN_VERBOSE=1`` prints none for it; a bfloat16 matmul
+prints ``brg_matmul:avx512_core_bf16``), while the fast runs were on a host with AMX. SGLang's
+``torch_native`` decode makes that call once per request and layer (30 layers), and the sparse
+path's C attention does not. So :func:`machine_state` times that call (and a float32 one beside
+it) in the benchmark's own process, before its servers start and after they stop, and
+:func:`describe` records it with the CPU model and its bf16 instructions: a ratio of the sparse
+path over dense means little without the dense attention's speed on that host.
 """
 
 from __future__ import annotations
