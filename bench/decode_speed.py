@@ -7,7 +7,7 @@ Usage::
                                  [--select-worker] [--select-split] [--select-inline] [--torch-kernel]
                                  [--unpacked-dense]
                                  [--temperature 0.8] [--independent-sampling] [--inline-transfer]
-                                 [--repair-fraction 1] [--selectors host_sync]
+                                 [--repair-fraction 1] [--hit-rate-sample 0.05] [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--cells must look like 4000x1,7900x1,4000x8, got {args.cells!r}")
     if any(c < 1 or b < 1 for c, b in pairs):
         ap.error(f"--cells / --contexts / --batches: contexts and batches must be >= 1, got {pairs}")
-    before = machine_state()
-    print(summary(before), flush=True)
+    machine_before = machine_state()
+    print(summary(machine_before), flush=True)
     cells = []
     for c, b in pairs:
         prompts = []
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "warmup_tokens": args.warmup_tokens,
         "command": "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": describe(before, machine_state()),
+        "machine": describe(machine_before, machine_state()),
         "dtype": srv.dtype,
         "new_tokens": args.new_tokens,
         "temperature": args.temperature,
