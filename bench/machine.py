@@ -4,10 +4,11 @@ This machine kind is not one CPU. On 2026-12-04 from 00:13 to 05:10 SGLang dense
 slower than the evening before while the sparse step slowed by at most 1.4x
 (``bench/results/capacity_rounds_split_morning_cpu.json``, ``decode_speed_morning_cpu.json``); in
 that state one bfloat16 ``scaled_dot_product_attention`` of one query over 4,000 keys (SmolLM2's 9
-heads of 64) took 2.3-3.1 ms against 0.4-0.7 ms in float32. The same evening a host that named
+heads of 64) took 2.3-3.1 ms against 0.4-0.7 ms in float32. That day's evening a host that named
 itself an AMD EPYC (``avx512_bf16``, no AMX) read 2.2-2.5 ms against 0.3-0.5 ms, and there that
 bfloat16 call makes no oneDNN call (``ONEDNN_VERBOSE=1`` prints none for it; a bfloat16 matmul
-prints ``brg_matmul:avx512_core_bf16``), while the fast runs were on a host with AMX. SGLang's
+prints ``brg_matmul:avx512_core_bf16``), where the fast runs of 2026-12-03 recorded AMX: most likely
+two hosts, not two hours (README, **Which CPU**). SGLang's
 ``torch_native`` decode makes that call once per request and layer (30 layers), and the sparse
 path's C attention does not. So :func:`machine_state` times that call (and a float32 one beside
 it) in the benchmark's own process, before its servers start and after they stop, and
