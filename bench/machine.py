@@ -67,12 +67,17 @@ def machine_state(calls: int = 50) -> dict:
     }
 
 
+def bf16_isa() -> list[str]:
+    """This CPU's native bf16 instructions among :data:`~dd_sglang.platform.dtype.NATIVE_BF16_FLAGS`, sorted."""
+    return sorted(NATIVE_BF16_FLAGS & cpu_flags())
+
+
 def describe(before: dict, after: dict | None = None) -> dict:
     """A benchmark JSON's ``machine`` field: processor, CPU model (vendor and model name), its bf16
     instructions (``avx512_bf16``, ``amx_bf16``), CPU count and :func:`machine_state` taken before the
     run (``before``) and after it (``after``, when given)."""
     out = {"processor": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
-           "bf16_isa": sorted(NATIVE_BF16_FLAGS & cpu_flags()), "cpus": os.cpu_count(), "state_before": before}  # fmt: skip
+           "bf16_isa": bf16_isa(), "cpus": os.cpu_count(), "state_before": before}  # fmt: skip
     if after is not None:
         out["state_after"] = after
     return out
@@ -82,5 +87,5 @@ def summary(state: dict) -> str:
     """One log line of a :func:`machine_state`."""
     ms = state["sdpa_decode_ms"]
     return (f"machine state ({cpu_model() or 'CPU model unknown'}, bf16 ISA: "
-            f"{'/'.join(sorted(NATIVE_BF16_FLAGS & cpu_flags())) or 'none'}): one SDPA decode call over {PROBE_KEYS} keys {ms['bfloat16']} ms bfloat16, "
+            f"{'/'.join(bf16_isa()) or 'none'}): one SDPA decode call over {PROBE_KEYS} keys {ms['bfloat16']} ms bfloat16, "
             f"{ms['float32']} ms float32 ({state['intra_op_threads']} threads)")  # fmt: skip

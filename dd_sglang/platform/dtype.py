@@ -10,35 +10,35 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @cache
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The ISA flags of the first CPU in ``cpuinfo`` (empty where the file is absent, e.g. macOS)."""
+def _first_cpu(cpuinfo: str) -> dict[str, str]:
+    """``key: value`` fields of the first processor's block of ``cpuinfo`` (empty where the file is
+    absent, e.g. macOS)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
-@cache
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The ISA flags of the first CPU in ``cpuinfo`` (empty where the file is absent, e.g. macOS)."""
+    return frozenset(_first_cpu(cpuinfo).get("flags", "").split())
+
+
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The first CPU's ``vendor_id`` and ``model name`` in ``cpuinfo`` (e.g. ``"AuthenticAMD AMD EPYC"``),
     or ``""`` where the file is absent. Hosts of one machine kind differ (an Intel CPU with AMX one
     day, an AMD one without it the next), and bf16 speed follows the CPU, so benchmarks record it."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return ""
-    fields = dict.fromkeys(("vendor_id", "model name"), "")
-    for line in text.splitlines():
-        key = line.split(":", 1)[0].strip()
-        if key in fields and not fields[key]:
-            fields[key] = line.split(":", 1)[1].strip()
-        if not line.strip() and any(fields.values()):
-            break
-    return " ".join(v for v in fields.values() if v)
+    fields = _first_cpu(cpuinfo)
+    return " ".join(v for k in ("vendor_id", "model name") if (v := fields.get(k)))
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
