@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/dtype_cpu.json")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model
