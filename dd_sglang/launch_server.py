@@ -346,10 +346,11 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
         raise _Refused(str(err)) from None
 
 
-def _port(full_argv: list[str], cfg: DDConfig) -> tuple[str, int]:
-    """SGLang's ``(host, port)``. Raises :class:`_Refused` for a port outside 1..65535."""
-    host = flag_value(full_argv, "--host") or cfg.server.host
-    raw_port = flag_value(full_argv, "--port") or cfg.server.port
+def _port(argv: list[str], cfg: DDConfig) -> tuple[str, int]:
+    """SGLang's ``(host, port)``: ``--host`` / ``--port`` in ``argv``, else the preset's ``server`` section.
+    Raises :class:`_Refused` for a port outside 1..65535."""
+    host = flag_value(argv, "--host") or cfg.server.host
+    raw_port = flag_value(argv, "--port") or cfg.server.port
     try:
         port = int(raw_port)
     except ValueError:
@@ -384,6 +385,18 @@ def _check_dualdecoder(full_argv: list[str], cfg: DDConfig) -> None:
         )
 
 
+def _check_sglang_port(cfg: DDConfig, host: str, port: int) -> None:
+    """SGLang's port differs from the metrics port and is free now.
+
+    Raises:
+        _Refused: either is not so (the message names the flag).
+    """
+    if cfg.metrics.port == port:
+        raise _Refused(f"metrics.port {cfg.metrics.port} equals SGLang's --port; choose another --metrics-port")
+    if err := _port_error(host, port):
+        raise _Refused(f"SGLang --port: {err}")
+
+
 def _metrics_socket(cfg: DDConfig, host: str, port: int) -> socket.socket:
     """Step 5: check SGLang's port is free and bind the metrics port (kept by this launcher).
 
@@ -391,10 +404,7 @@ def _metrics_socket(cfg: DDConfig, host: str, port: int) -> socket.socket:
         _Refused: the metrics port equals SGLang's, or either port is taken.
     """
     m = cfg.metrics
-    if m.port == port:
-        raise _Refused(f"metrics.port {m.port} equals SGLang's --port; choose another --metrics-port")
-    if err := _port_error(host, port):
-        raise _Refused(f"SGLang --port: {err}")
+    _check_sglang_port(cfg, host, port)
     try:
         return _bind(m.host, m.port)
     except OSError as err:
@@ -407,13 +417,17 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     Raises:
         _Refused: any start-up check (nothing is started; the socket is bound only when all pass).
     """
+    # The checks that need neither PyTorch nor SGLang come first: a refusal among them takes well
+    # under a second, where importing PyTorch (below: the switches' modules, the platform) takes 2-10 s.
+    model_path, served_name = _model(cfg, sglang_argv)
+    host, port = _port(sglang_argv, cfg)  # what build_sglang_argv passes: the flag, else the preset's
+    _check_sglang_port(cfg, host, port)
     from dd_sglang.kvcache.host_memory import HUGE_PAGES_ENV
     from dd_sglang.platform.linear import PREPACK_ENV
 
     for switch in (PREPACK_ENV, HUGE_PAGES_ENV):  # read again inside SGLang; refused here first
         if os.environ.get(switch, "1").strip() not in ("0", "1"):
             raise _Refused(f"{switch} must be 0 or 1, got {os.environ[switch]!r}")
-    model_path, served_name = _model(cfg, sglang_argv)
     from dd_sglang.platform import activate
 
     cpu = activate() is not None
@@ -430,7 +444,6 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
         threads_bind = cpu_threads_bind(ranks, get_cpu_ids_by_node())
         if threads_bind is not None:
             logger.info("%d CPU scheduler processes: %s=%s", ranks, CPU_BIND_ENV, threads_bind)
-    host, port = _port(full_argv, cfg)
     _check_dualdecoder(full_argv, cfg)
     return full_argv, threads_bind, host, port, _metrics_socket(cfg, host, port)
 

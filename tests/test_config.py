@@ -139,16 +139,41 @@ def test_launcher_refuses_a_host_tier_larger_than_host_memory(tmp_path):
     assert "starting SGLang" not in r.stderr + r.stdout
 
 
+#: Runs the launcher's ``main`` on ``sys.argv[1:]``, then prints whether PyTorch was imported.
+_MAIN_THEN_TORCH = (
+    "import sys; from dd_sglang.launch_server import main; rc = main(sys.argv[1:]); "
+    "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)"
+)
+
+
+def _refused_before_torch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The launcher run with ``args`` (and ``env`` added to the environment): it must exit 2 without
+    having imported PyTorch (the checks that need neither PyTorch nor SGLang come first, so such a
+    refusal takes well under a second)."""
+    import os
+
+    r = subprocess.run([sys.executable, "-c", _MAIN_THEN_TORCH, *args], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **(env or {})})  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "torch imported: False" in r.stdout, r.stdout
+    assert "starting SGLang" not in r.stderr
+    return r
+
+
 @pytest.mark.parametrize("port", ["99999", "0", "abc"])
 def test_launcher_rejects_bad_sglang_port(port, tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "dd_sglang.launch_server", "--port", port, "--model-path", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2
-    assert "--port must be an integer in 1..65535" in r.stderr and "starting SGLang" not in r.stderr
+    r = _refused_before_torch("--port", port, "--model-path", str(tmp_path))
+    assert "--port must be an integer in 1..65535" in r.stderr
+
+
+def test_port_in_sglang_args_is_refused_naming_the_key():
+    """``server.sglang_args`` cannot spell a flag of the ``server`` section itself: the launcher would
+    check one port while SGLang took the other."""
+    with pytest.raises(ConfigError, match="key 'server.sglang_args'.*port: set as server.port"):
+        parse_config({"server": {"sglang_args": {"port": 31000}}}, "test")
+    with pytest.raises(ConfigError, match="max-total-tokens: set as server.max_total_tokens"):
+        parse_config({"server": {"sglang_args": {"max_total_tokens": 4096}}}, "test")
+    assert parse_config({"server": {"sglang_args": {"chunked-prefill-size": 2048}}}, "t").server.sglang_args
 
 
 def test_launcher_rejects_busy_metrics_port(tmp_path):
@@ -233,10 +258,10 @@ def test_help_passes_through_without_starting_anything(sglang_cli):
 
 
 def test_same_port_for_api_and_metrics_is_refused_whatever_the_host_spelling(tmp_path):
-    r = _launch(
+    r = _refused_before_torch(
         "--host", "localhost", "--port", "32199", "--metrics-port", "32199", "--model-path", str(tmp_path)
     )
-    assert r.returncode == 2 and "equals SGLang's --port" in r.stderr
+    assert "equals SGLang's --port" in r.stderr
 
 
 def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(sglang_cli):
@@ -249,15 +274,15 @@ def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(sglang_cli):
 
 
 def test_missing_local_model_path_fails_fast():
-    r = _launch("--model-path", "/nonexistent/model")
-    assert r.returncode == 2 and "no such local folder: /nonexistent/model" in r.stderr
+    r = _refused_before_torch("--model-path", "/nonexistent/model")
+    assert "no such local folder: /nonexistent/model" in r.stderr
 
 
 def test_unusable_cache_folder_is_a_clear_error(tmp_path):
     f = tmp_path / "a-file"
     f.write_text("x")
-    r = _launch(env={"DD_SGLANG_CACHE": str(f)})
-    assert r.returncode == 2 and "DD_SGLANG_CACHE" in r.stderr and "Traceback" not in r.stderr
+    r = _refused_before_torch(env={"DD_SGLANG_CACHE": str(f)})
+    assert "DD_SGLANG_CACHE" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_stale_folders_of_dead_launchers_are_removed(tmp_path, monkeypatch):
