@@ -66,16 +66,6 @@ class ServerSection(_Strict):
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=2**31)
     sglang_args: dict[str, SGLangScalar] = Field(default_factory=dict)
 
-    @field_validator("sglang_args")
-    @classmethod
-    def _no_flag_of_its_own(cls, v: dict[str, SGLangScalar]) -> dict[str, SGLangScalar]:
-        # Each of these keys is a field of this section, which the launcher checks (a port's range and
-        # freedom) and passes to SGLang; a second spelling here would reach SGLang unchecked.
-        owned = {"host", "port", "max-total-tokens", "context-length", "max-running-requests"}
-        if clash := sorted(owned & {k.replace("_", "-") for k in v}):
-            raise ValueError(f"{', '.join(clash)}: set as server.{clash[0].replace('-', '_')}, not in sglang_args")
-        return v
-
 
 class MetricsSection(_Strict):
     """The metrics sidecar (FastAPI + prometheus-client) and the scheduler's gauges.
@@ -286,7 +276,7 @@ def load_config(name_or_path: str | Path | None = None) -> DDConfig:
     the repository), the schema's defaults are used (named ``builtin-defaults``).
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or fails validation.
+        ConfigError: the file is missing, is not UTF-8 YAML, or fails validation.
     """
     if name_or_path is None:
         default = CONFIGS_DIR / f"{DEFAULT_PRESET}.yaml"
@@ -298,4 +288,6 @@ def load_config(name_or_path: str | Path | None = None) -> DDConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"invalid dd_sglang config {path}: not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"invalid dd_sglang config {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     return parse_config(data, str(path))

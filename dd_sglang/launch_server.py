@@ -105,6 +105,24 @@ def _names(flag: str, arg: str) -> bool:
     return any(f == name or f.startswith(name) for f in (flag, *FLAG_ALIASES.get(flag, ())))
 
 
+#: SGLang flags that preset keys of their own set (or the launcher derives from them): ``server.sglang_args``
+#: may not name one, by any spelling SGLang's parser takes (a prefix, an alias), or SGLang would get
+#: a second value, and take the last, that the launcher's checks never saw.
+PRESET_OWNED_FLAGS = {
+    "--host": "server.host",
+    "--port": "server.port",
+    "--max-total-tokens": "server.max_total_tokens",
+    "--context-length": "server.context_length",
+    "--max-running-requests": "server.max_running_requests",
+    "--model-path": "model.path",
+}
+
+
+def preset_words(cfg: DDConfig) -> list[str]:
+    """The ``--flag`` words that ``server.sglang_args`` adds to SGLang's command line (values left out)."""
+    return [f"--{k}" for k in cfg.server.sglang_args]
+
+
 def flag_value(argv: list[str], flag: str) -> str | None:
     """Value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``, aliases and prefixes too); the last wins."""
     value = None
@@ -168,13 +186,14 @@ def build_sglang_argv(
     return out
 
 
-def with_cpu_dtype(argv: list[str], cpu: bool) -> list[str]:
-    """``argv`` plus ``--dtype`` chosen by the CPU platform when ``cpu`` and the user gave none.
+def with_cpu_dtype(argv: list[str], cpu: bool, preset: list[str] | None = None) -> list[str]:
+    """``argv`` plus ``--dtype`` chosen by the CPU platform when ``cpu`` and neither ``argv`` nor
+    ``preset`` (the ``--flag`` words of ``server.sglang_args``, :func:`preset_words`) gives one.
 
     The choice (:func:`dd_sglang.platform.dtype.default_dtype`: bf16 with native bf16 matrix
     instructions, else float32, measured faster there) is logged once.
     """
-    if not cpu or has_flag(argv, "--dtype"):
+    if not cpu or has_flag([*argv, *(preset or [])], "--dtype"):
         return list(argv)
     from dd_sglang.platform.dtype import NATIVE_BF16_FLAGS, default_dtype, native_bf16
 
@@ -328,12 +347,9 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
         _Refused: a local model folder that does not exist; the embedded model cannot be prepared.
     """
     user_model = flag_value(sglang_argv, "--model-path") or cfg.model.path
-    if (
-        user_model
-        and user_model.startswith(("/", "./", "../", "~"))
-        and not Path(user_model).expanduser().exists()
-    ):
-        raise _Refused(f"--model-path / model.path: no such local folder: {user_model}")
+    if user_model and user_model.startswith(("/", "./", "../", "~")) and not Path(user_model).expanduser().is_dir():
+        what = "not a folder" if Path(user_model).expanduser().exists() else "no such local folder"
+        raise _Refused(f"--model-path / model.path: {what}: {user_model}")
     if has_flag(sglang_argv, "--model-path"):
         return None, None
     if cfg.model.path:
@@ -346,10 +362,22 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
         raise _Refused(str(err)) from None
 
 
+def _check_sglang_args(cfg: DDConfig) -> None:
+    """``server.sglang_args`` names none of :data:`PRESET_OWNED_FLAGS` (nor, with ``_`` for ``-``, a
+    spelling of one). Raises :class:`_Refused` naming the key and the preset key to use instead."""
+    for key, word in zip(cfg.server.sglang_args, preset_words(cfg), strict=True):
+        for flag, owner in PRESET_OWNED_FLAGS.items():
+            if _names(flag, word) or _names(flag, word.replace("_", "-")):
+                raise _Refused(f"server.sglang_args: {key!r} names SGLang's {flag}; set {owner} instead")
+
+
 def _port(argv: list[str], cfg: DDConfig) -> tuple[str, int]:
     """SGLang's ``(host, port)``: ``--host`` / ``--port`` in ``argv``, else the preset's ``server`` section.
-    Raises :class:`_Refused` for a port outside 1..65535."""
-    host = flag_value(argv, "--host") or cfg.server.host
+    Raises :class:`_Refused` for a port outside 1..65535 or an empty ``--host``."""
+    host = flag_value(argv, "--host")
+    if host is not None and not host.strip():
+        raise _Refused("--host is empty (SGLang would listen on every interface); give an address, e.g. 127.0.0.1")
+    host = host or cfg.server.host
     raw_port = flag_value(argv, "--port") or cfg.server.port
     try:
         port = int(raw_port)
@@ -419,6 +447,7 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     """
     # The checks that need neither PyTorch nor SGLang come first: a refusal among them takes well
     # under a second, where importing PyTorch (below: the switches' modules, the platform) takes 2-10 s.
+    _check_sglang_args(cfg)
     model_path, served_name = _model(cfg, sglang_argv)
     host, port = _port(sglang_argv, cfg)  # what build_sglang_argv passes: the flag, else the preset's
     _check_sglang_port(cfg, host, port)
@@ -431,7 +460,7 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     from dd_sglang.platform import activate
 
     cpu = activate() is not None
-    sglang_argv = with_cpu_dtype(sglang_argv, cpu)
+    sglang_argv = with_cpu_dtype(sglang_argv, cpu, preset_words(cfg))
     full_argv = build_sglang_argv(cfg, sglang_argv, model_path, cpu=cpu, served_name=served_name)
     try:
         ranks = parallel_ranks(full_argv)

@@ -166,14 +166,45 @@ def test_launcher_rejects_bad_sglang_port(port, tmp_path):
     assert "--port must be an integer in 1..65535" in r.stderr
 
 
-def test_port_in_sglang_args_is_refused_naming_the_key():
-    """``server.sglang_args`` cannot spell a flag of the ``server`` section itself: the launcher would
-    check one port while SGLang took the other."""
-    with pytest.raises(ConfigError, match="key 'server.sglang_args'.*port: set as server.port"):
-        parse_config({"server": {"sglang_args": {"port": 31000}}}, "test")
-    with pytest.raises(ConfigError, match="max-total-tokens: set as server.max_total_tokens"):
-        parse_config({"server": {"sglang_args": {"max_total_tokens": 4096}}}, "test")
-    assert parse_config({"server": {"sglang_args": {"chunked-prefill-size": 2048}}}, "t").server.sglang_args
+@pytest.mark.parametrize(
+    "key,flag,owner",
+    [("port", "--port", "server.port"), ("por", "--port", "server.port"), ("hos", "--host", "server.host"),
+     ("model", "--model-path", "model.path"), ("model_path", "--model-path", "model.path"),
+     ("max_total_tokens", "--max-total-tokens", "server.max_total_tokens")],
+)  # fmt: skip
+def test_sglang_args_may_not_name_a_flag_the_preset_owns(tmp_path, key, flag, owner):
+    """``server.sglang_args`` cannot spell, in any way SGLang's parser takes (a prefix, the ``--model``
+    alias, ``_`` for ``-``), a flag that preset keys of their own set: SGLang takes the last value given,
+    so the launcher would check one port (or model folder) while SGLang used the other."""
+    p = tmp_path / "preset.yaml"
+    p.write_text(f"server:\n  sglang_args:\n    {key}: 31000\n")
+    r = _refused_before_torch("--dd-config", str(p), "--model-path", str(tmp_path))
+    assert f"server.sglang_args: {key!r} names SGLang's {flag}; set {owner} instead" in r.stderr
+
+
+def test_dtype_in_sglang_args_is_the_dtype_sglang_gets():
+    """A preset's ``sglang_args: {dtype: ...}`` wins over the CPU platform's choice, as ``--dtype`` does."""
+    from dd_sglang.launch_server import preset_words, with_cpu_dtype
+
+    cfg = parse_config({"server": {"sglang_args": {"dtype": "float32"}}}, "test")
+    argv = with_cpu_dtype(["--x"], True, preset_words(cfg))
+    assert argv == ["--x"]
+    assert flag_value(build_sglang_argv(cfg, argv, "/m", cpu=True), "--dtype") == "float32"
+    assert flag_value(with_cpu_dtype(["--x"], True, []), "--dtype") in ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("host", [["--host="], ["--host", ""], ["--host", " "]])
+def test_an_empty_host_is_refused(tmp_path, host):
+    """An empty ``--host`` would make SGLang listen on every interface while the launcher checked the preset's."""
+    r = _refused_before_torch(*host, "--model-path", str(tmp_path))
+    assert "--host is empty" in r.stderr
+
+
+def test_a_preset_that_is_not_utf8_is_a_config_error(tmp_path):
+    p = tmp_path / "binary.yaml"
+    p.write_bytes(b"server:\n  port: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(p)
 
 
 def test_launcher_rejects_busy_metrics_port(tmp_path):
@@ -276,6 +307,8 @@ def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(sglang_cli):
 def test_missing_local_model_path_fails_fast():
     r = _refused_before_torch("--model-path", "/nonexistent/model")
     assert "no such local folder: /nonexistent/model" in r.stderr
+    r = _refused_before_torch("--model-path", "/etc/hostname")  # a file is not a model folder
+    assert "not a folder: /etc/hostname" in r.stderr
 
 
 def test_unusable_cache_folder_is_a_clear_error(tmp_path):
