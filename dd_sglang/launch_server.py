@@ -339,6 +339,23 @@ def _config(dd_args: argparse.Namespace) -> DDConfig:
     return parse_config(data, "--metrics-port/--metrics-host")
 
 
+def _local_model_error(path: str) -> str | None:
+    """Why local ``path`` cannot be a model SGLang loads, or None: a folder, or a GGUF file (suffix
+    ``.gguf`` or the ``GGUF`` magic, as ``sglang/srt/utils/hf_transformers/common.py: check_gguf_file``)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return None
+    if not p.exists():
+        return "no such local folder"
+    if p.suffix == ".gguf":
+        return None
+    try:
+        with p.open("rb") as f:
+            return None if f.read(4) == b"GGUF" else "neither a folder nor a GGUF file"
+    except OSError as err:
+        return f"cannot read it ({err.strerror})"
+
+
 def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | None]:
     """Step 3: ``(model_path, served_name)`` to add to SGLang's flags (both None when the command
     line gives ``--model-path``); the embedded model is converted on first use.
@@ -347,9 +364,8 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
         _Refused: a local model folder that does not exist; the embedded model cannot be prepared.
     """
     user_model = flag_value(sglang_argv, "--model-path") or cfg.model.path
-    if user_model and user_model.startswith(("/", "./", "../", "~")) and not Path(user_model).expanduser().is_dir():
-        what = "not a folder" if Path(user_model).expanduser().exists() else "no such local folder"
-        raise _Refused(f"--model-path / model.path: {what}: {user_model}")
+    if user_model and user_model.startswith(("/", "./", "../", "~")) and (err := _local_model_error(user_model)):
+        raise _Refused(f"--model-path / model.path: {err}: {user_model}")
     if has_flag(sglang_argv, "--model-path"):
         return None, None
     if cfg.model.path:

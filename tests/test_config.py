@@ -307,8 +307,23 @@ def test_a_flag_sglang_refuses_exits_2_with_sglangs_message(sglang_cli):
 def test_missing_local_model_path_fails_fast():
     r = _refused_before_torch("--model-path", "/nonexistent/model")
     assert "no such local folder: /nonexistent/model" in r.stderr
-    r = _refused_before_torch("--model-path", "/etc/hostname")  # a file is not a model folder
-    assert "not a folder: /etc/hostname" in r.stderr
+    r = _refused_before_torch("--model-path", "/etc/hostname")  # a file, not GGUF
+    assert "neither a folder nor a GGUF file: /etc/hostname" in r.stderr
+
+
+def test_a_gguf_file_passes_the_model_path_check(tmp_path):
+    """SGLang loads a GGUF file given as ``--model-path``; the launcher's check lets one through (by its
+    magic or suffix) and refuses other files."""
+    from dd_sglang.launch_server import _local_model_error
+
+    (tmp_path / "m.bin").write_bytes(b"GGUF\x03\x00\x00\x00")
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("x")
+    assert _local_model_error(str(tmp_path / "m.bin")) is None
+    assert _local_model_error(str(tmp_path / "m.gguf")) is None
+    assert _local_model_error(str(tmp_path)) is None
+    assert _local_model_error(str(tmp_path / "notes.txt")) == "neither a folder nor a GGUF file"
+    assert _local_model_error(str(tmp_path / "absent")) == "no such local folder"
 
 
 def test_unusable_cache_folder_is_a_clear_error(tmp_path):
