@@ -361,7 +361,8 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
     line gives ``--model-path``); the embedded model is converted on first use.
 
     Raises:
-        _Refused: a local model folder that does not exist; the embedded model cannot be prepared.
+        _Refused: a local model path that is neither a folder nor a GGUF file (:func:`_local_model_error`);
+            the embedded model cannot be prepared.
     """
     user_model = flag_value(sglang_argv, "--model-path") or cfg.model.path
     if user_model and user_model.startswith(("/", "./", "../", "~")) and (err := _local_model_error(user_model)):
@@ -394,7 +395,8 @@ def _port(argv: list[str], cfg: DDConfig) -> tuple[str, int]:
     if host is not None and not host.strip():
         raise _Refused("--host is empty (SGLang would listen on every interface); give an address, e.g. 127.0.0.1")
     host = host or cfg.server.host
-    raw_port = flag_value(argv, "--port") or cfg.server.port
+    raw_port = flag_value(argv, "--port")
+    raw_port = cfg.server.port if raw_port is None else raw_port  # "--port=" is refused below, not replaced
     try:
         port = int(raw_port)
     except ValueError:

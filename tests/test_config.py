@@ -160,9 +160,9 @@ def _refused_before_torch(*args: str, env: dict[str, str] | None = None) -> subp
     return r
 
 
-@pytest.mark.parametrize("port", ["99999", "0", "abc"])
+@pytest.mark.parametrize("port", ["99999", "0", "abc", ""])
 def test_launcher_rejects_bad_sglang_port(port, tmp_path):
-    r = _refused_before_torch("--port", port, "--model-path", str(tmp_path))
+    r = _refused_before_torch(f"--port={port}", "--model-path", str(tmp_path))
     assert "--port must be an integer in 1..65535" in r.stderr
 
 
