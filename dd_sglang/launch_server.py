@@ -443,14 +443,14 @@ def _check_sglang_port(cfg: DDConfig, host: str, port: int) -> None:
         raise _Refused(f"SGLang --port: {err}")
 
 
-def _metrics_socket(cfg: DDConfig, host: str, port: int) -> socket.socket:
-    """Step 5: check SGLang's port is free and bind the metrics port (kept by this launcher).
+def _metrics_socket(cfg: DDConfig) -> socket.socket:
+    """Step 5: bind the metrics port (kept by this launcher; SGLang's port was checked by
+    :func:`_check_sglang_port`, before the PyTorch imports).
 
     Raises:
-        _Refused: the metrics port equals SGLang's, or either port is taken.
+        _Refused: the metrics port is taken.
     """
     m = cfg.metrics
-    _check_sglang_port(cfg, host, port)
     try:
         return _bind(m.host, m.port)
     except OSError as err:
@@ -492,7 +492,7 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
         if threads_bind is not None:
             logger.info("%d CPU scheduler processes: %s=%s", ranks, CPU_BIND_ENV, threads_bind)
     _check_dualdecoder(full_argv, cfg)
-    return full_argv, threads_bind, host, port, _metrics_socket(cfg, host, port)
+    return full_argv, threads_bind, host, port, _metrics_socket(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
