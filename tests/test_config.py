@@ -238,18 +238,6 @@ def test_abbreviated_sglang_flag_counts_as_given():
     assert flag_value(argv, "--max-total-tokens") == "5000"
 
 
-def _launch(*args, env=None, timeout=120):
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "dd_sglang.launch_server", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
 @pytest.fixture(scope="module")
 def sglang_cli(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The two launcher runs that reach SGLang's own parser (``--help``; a flag SGLang refuses), started
