@@ -416,7 +416,7 @@ def _check_dualdecoder(full_argv: list[str], cfg: DDConfig) -> None:
     if flag_value(full_argv, "--attention-backend") != "dualdecoder":
         return
     from dd_sglang.kvcache.params import host_memory_available_bytes
-    from dd_sglang.prefetch.index import quant_index_bytes_bound
+    from dd_sglang.prefetch.params import quant_index_bytes_bound
 
     for flag in ("--enable-mixed-chunk", "--enable-hierarchical-cache"):
         if has_flag(full_argv, flag):
@@ -469,12 +469,15 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     model_path, served_name = _model(cfg, sglang_argv)
     host, port = _port(sglang_argv, cfg)  # what build_sglang_argv passes: the flag, else the preset's
     _check_sglang_port(cfg, host, port)
-    from dd_sglang.kvcache.host_memory import HUGE_PAGES_ENV
-    from dd_sglang.platform.linear import PREPACK_ENV
+    from dd_sglang.kvcache.params import HUGE_PAGES_ENV
+    from dd_sglang.platform import PREPACK_ENV
 
     for switch in (PREPACK_ENV, HUGE_PAGES_ENV):  # read again inside SGLang; refused here first
         if os.environ.get(switch, "1").strip() not in ("0", "1"):
             raise _Refused(f"{switch} must be 0 or 1, got {os.environ[switch]!r}")
+    # The dualdecoder refusals read flags the CPU platform never adds (--device, --dtype): they are
+    # judged on the command line SGLang would get without them, still before PyTorch is imported.
+    _check_dualdecoder(build_sglang_argv(cfg, sglang_argv, model_path, cpu=False, served_name=served_name), cfg)
     from dd_sglang.platform import activate
 
     cpu = activate() is not None
@@ -491,7 +494,6 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
         threads_bind = cpu_threads_bind(ranks, get_cpu_ids_by_node())
         if threads_bind is not None:
             logger.info("%d CPU scheduler processes: %s=%s", ranks, CPU_BIND_ENV, threads_bind)
-    _check_dualdecoder(full_argv, cfg)
     return full_argv, threads_bind, host, port, _metrics_socket(cfg)
 
 

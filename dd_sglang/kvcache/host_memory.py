@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from dd_sglang.kvcache.params import HUGE_PAGES_ENV
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD-sized transparent huge page
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-#: Environment switch: ``0`` leaves :func:`host_zeros` buffers on 4 KiB pages; ``1`` (default) advises huge pages.
-HUGE_PAGES_ENV = "DD_SGLANG_HOST_HUGE_PAGES"
 
 
 def huge_pages_wanted() -> bool:

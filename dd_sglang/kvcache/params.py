@@ -11,6 +11,10 @@ import psutil
 #: sized for GPU hosts; the host tier's size is given explicitly (``host_tier_bytes``),
 #: so a smaller margin applies.
 HOST_MEMORY_MARGIN_BYTES = 512 * 1024**2
+#: Environment switch: ``0`` leaves :func:`~dd_sglang.kvcache.host_memory.host_zeros` buffers on
+#: 4 KiB pages; ``1`` (default) advises huge pages. Here, not in ``host_memory``, so the launcher
+#: refuses a bad value without importing PyTorch.
+HUGE_PAGES_ENV = "DD_SGLANG_HOST_HUGE_PAGES"
 
 
 def host_memory_available_bytes() -> int:

@@ -22,6 +22,9 @@ which runs unmodified SGLang with pure-PyTorch kernels. It never sets
 from __future__ import annotations
 
 PLATFORM_CLASS = "dd_sglang.platform.cpu.TorchCpuPlatform"
+#: Environment switch: "0" keeps every linear layer on ``F.linear`` (:mod:`dd_sglang.platform.linear`).
+#: Here, not in ``linear``, so the launcher refuses a bad value without importing PyTorch.
+PREPACK_ENV = "DD_SGLANG_CPU_PREPACK"
 
 
 def cuda_available() -> bool:

@@ -43,10 +43,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from dd_sglang.platform import PREPACK_ENV
+
 log = logging.getLogger(__name__)
 
-#: Environment switch: "0" keeps every linear layer on ``F.linear``.
-PREPACK_ENV = "DD_SGLANG_CPU_PREPACK"
 #: Most rows (tokens: decode rows x query positions) a product takes through the pack; larger
 #: products (prefill chunks) keep ``F.linear``. On the 2-core CPU this was written on, with 2 threads, the pack
 #: gave other bits than ``F.linear`` for some shapes from 300 rows up (576 x 576 weights), where

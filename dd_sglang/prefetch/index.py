@@ -131,16 +131,6 @@ class KeyBlockIndex:
         self.maxs[:, blocks] = keys.amax(dim=2).to(self.device)
 
 
-def quant_index_bytes_bound(tier_bytes: int) -> int:
-    """Most host bytes a :class:`QuantKeyIndex` over a host tier of ``tier_bytes`` (K+V) takes.
-
-    Per key of ``head_dim`` elements the index holds ``head_dim + 4`` bytes; the tier holds
-    ``2 x head_dim x itemsize``. Bounded for a 16-bit or wider KV cache and ``head_dim >= 64``:
-    ``68 / 256`` of the tier (float32: half of that).
-    """
-    return -(-tier_bytes * 68 // 256)
-
-
 #: :meth:`QuantKeyIndex.update`: largest float32 temporary of one chunk of positions (bytes).
 UPDATE_CHUNK_BYTES = 32 << 20
 

@@ -71,3 +71,16 @@ class PrefetchParams:
     real_query: str = "never"
     kernel: str = "auto"
     sampling: str = "coupled"
+
+
+def quant_index_bytes_bound(tier_bytes: int) -> int:
+    """Most host bytes a :class:`~dd_sglang.prefetch.index.QuantKeyIndex` over a host tier of
+    ``tier_bytes`` (K+V) takes.
+
+    Per key of ``head_dim`` elements the index holds ``head_dim + 4`` bytes; the tier holds
+    ``2 x head_dim x itemsize``. Bounded for a 16-bit or wider KV cache and ``head_dim >= 64``:
+    ``68 / 256`` of the tier (float32: half of that).
+
+    Here, not in ``index``, so the launcher checks a preset without importing PyTorch.
+    """
+    return -(-tier_bytes * 68 // 256)
