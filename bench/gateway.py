@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -142,20 +141,12 @@ def launch_gateway(
     workers: int = 2,
     policy: str = "cache_aware",
     worker_urls: list[str] | None = None,
-    nice: int = 0,
 ) -> Gateway:
     """Launch ``dd_sglang.launch_router`` on free loopback ports and return at once, not waiting
     for it (:meth:`Gateway.wait_ready`; :func:`start_gateway` does both).
 
-    With ``worker_urls`` no worker is started (the gateway routes to those). ``nice`` (0-19) is added
-    to the niceness of the router and of everything it starts (``os.nice`` in the child: the workers
-    and smg inherit it), so that a gateway started ahead takes only CPU time nobody else wants.
-
-    Raises:
-        ValueError: ``nice`` outside 0-19.
+    With ``worker_urls`` no worker is started (the gateway routes to those).
     """
-    if not 0 <= nice <= 19:
-        raise ValueError(f"nice must be in 0..19, got {nice}")
     port, rport = free_port(), free_port()
     cmd = [sys.executable, "-m", "dd_sglang.launch_router", "--port", str(port), "--router-metrics-port", str(rport),
            "--policy", policy]  # fmt: skip
@@ -179,8 +170,7 @@ def launch_gateway(
         cmd += worker_args
     log = open(log_path, "w")
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=(lambda: os.nice(nice)) if nice else None)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     return Gateway(f"http://127.0.0.1:{port}", worker_urls, metrics_urls, proc, log_path, launched_at=t0)
 

@@ -49,9 +49,9 @@ def _uses_booted(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(session, config, items):
     """Run modules in three groups, each in collection order: server-free modules (while the
-    booted servers start up), then modules using a booted server (the router's gateway among them:
-    booted at nice 19, ``tests/test_router_e2e.py``), then modules marked ``server`` that start
-    servers of their own (the launcher watchdog), so those never start up beside the booted ones."""
+    booted servers start up), then modules using a booted server, then modules marked ``server``
+    that start servers of their own (the router's workers, the launcher watchdog), so those
+    never start up beside the booted ones."""
     group: dict[Path, int] = {}
     for it in items:
         g = 1 if _uses_booted(it) else 2 if it.get_closest_marker("server") else 0

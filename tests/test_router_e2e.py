@@ -25,12 +25,12 @@ import httpx
 import pytest
 import yaml
 
-from bench.gateway import Gateway, launch_gateway, served_by
+from bench.gateway import served_by, start_gateway
 from bench.prompts import FILLER, INSTRUCTION, passkey_prompt
 from bench.routing import post_chat
 from bench.server import ROOT, scrape
 from dd_sglang.launch_router import healthy_workers
-from tests.servers import START_TIMEOUT_S, booted, boots, stop_behind
+from tests.servers import stop_behind
 
 pytestmark = pytest.mark.server
 CAP = 3584  # device KV pool per worker (tokens)
@@ -40,32 +40,16 @@ PASSKEY = 48213
 ANSWER = "The pass key is "  # the trailing space: the model then answers with the digits (without it, " the pass key..." in float32)
 
 
-#: Seconds the booted-ahead workers may take to become healthy (launch_router's ``--start-timeout-s``
-#: and each worker launcher's ``server.start_timeout_s``): at nice 19 they start up only in idle CPU time.
-NICE_START_TIMEOUT_S = 7200
-
-
-@boots("gateway")
-def _launch(tmp_path_factory, tokenizer) -> Gateway:
-    """The router and its two workers, launched before the first test beside the package servers
-    (``tests/conftest.py``) at the lowest CPU priority (nice 19): their start-up (~95 CPU seconds) takes
-    the CPU time the other tests leave idle, and this module, which runs after the packages', finds them
-    ready instead of waiting ~60 s for them."""
+@pytest.fixture(scope="module")
+def gateway(model_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["sparse"]["host_tier_bytes"] = HOST_TIER_BYTES
-    preset["server"]["start_timeout_s"] = NICE_START_TIMEOUT_S
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     worker_args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--max-total-tokens", str(CAP),
-                   "--dd-config", str(tmp / "preset.yaml"), "--start-timeout-s", str(NICE_START_TIMEOUT_S)]  # fmt: skip
-    return launch_gateway(tmp / "router.log", worker_args, workers=2, nice=19)
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory, tokenizer):
-    gw = booted.pop("gateway", None) or _launch(tmp_path_factory, tokenizer)
-    try:  # START_TIMEOUT_S from now: a gateway launched ahead may have waited long for idle CPU
-        gw.wait_ready(time.monotonic() - gw.launched_at + START_TIMEOUT_S)
+                   "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
+    try:
+        gw = start_gateway(tmp / "router.log", worker_args, workers=2)
     except RuntimeError as err:
         pytest.fail(str(err))
     yield gw
