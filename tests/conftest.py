@@ -22,7 +22,7 @@ By default PyTorch's OpenMP threads spin for a while after each parallel region;
 servers and this process on two cores that spinning takes the cores from the ones with work. Measured
 on the 2-core AMD EPYC host (2026-12-05): the server-free modules 78.8 -> 68.8 s (99 -> 84 CPU
 seconds), the capacity, exactness and combination tests of the ``dualdecoder`` package with their two
-servers 283 -> 268 s (524 -> 457 CPU seconds). It changes no result: the suite asserts tokens and
+servers 283 -> 268 s (523 -> 457 CPU seconds). It changes no result: the suite asserts tokens and
 counts, which the wait policy does not touch; the benchmarks (``bench/``) keep the default.
 """
 
