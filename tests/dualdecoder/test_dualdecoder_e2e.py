@@ -95,6 +95,27 @@ def combo_dense(server, combo_prompt):
     return r.json()["output_ids"]
 
 
+def full_top_k_request(dd_server, ids: list[int], dense: list[int], selector: str, speculator: str):
+    """A greedy request of ``len(dense)`` tokens with ``top_k`` 8192 (>= the context) and the given pair:
+    its tokens equal ``dense``, it went OFFLOADING -> DECODE_SPARSE once, and every decode step after
+    the first token ran on the sparse path in every layer. Returns ``(response body, metrics before,
+    metrics after)``."""
+    n = len(dense)
+    sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True,
+                "custom_params": {"dd_top_k": 8192, "dd_selector": selector, "dd_speculator": speculator}}  # fmt: skip
+    before = metrics(dd_server)
+    r = httpx.post(f"{dd_server.url}/generate", json={"input_ids": ids, "sampling_params": sampling}, timeout=600)
+    assert r.status_code == 200, r.text
+    after = metrics(dd_server)
+    assert r.json()["output_ids"] == dense
+    assert (
+        transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
+        == 1
+    )
+    assert delta(after, before, "dd_sparse_decode_rows_total") == (n - 1) * N_LAYERS
+    return r.json(), before, after
+
+
 @pytest.mark.parametrize("selector,speculator", [("oracle", "none"), ("spec_host", "dual_token")])
 def test_full_top_k_is_token_identical_to_dense(dd_server, combo_prompt, combo_dense, selector, speculator):
     """Exactness: with top_k >= the context (a per-request override), the sparse path equals dense.
@@ -104,23 +125,10 @@ def test_full_top_k_is_token_identical_to_dense(dd_server, combo_prompt, combo_d
     and every decode step gathers the rest of its context from the host tier; its 48 greedy tokens on
     the ~4,000-token prompt equal the session's dense (torch_native) server's, token for token.
     """
-    sampling = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True,
-                "custom_params": {"dd_top_k": 8192, "dd_selector": selector, "dd_speculator": speculator}}  # fmt: skip
-    before = metrics(dd_server)
-    r = httpx.post(f"{dd_server.url}/generate", json={"input_ids": combo_prompt[1], "sampling_params": sampling},
-                   timeout=600)  # fmt: skip
-    assert r.status_code == 200, r.text
-    after = metrics(dd_server)
     assert len(combo_dense) == 48
-    assert r.json()["output_ids"] == combo_dense
-    assert (
-        transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
-        == 1
-    )
-    rows = after["dd_sparse_decode_rows_total"] - before.get("dd_sparse_decode_rows_total", 0.0)
-    assert rows == 47 * N_LAYERS  # every decode step, every layer, on the sparse path
-    exact = after["dd_sparse_exact_rows_total"] - before.get("dd_sparse_exact_rows_total", 0.0)
-    assert exact == rows  # ... each through dense's own attention call
+    _, before, after = full_top_k_request(dd_server, combo_prompt[1], combo_dense, selector, speculator)
+    # Every one of its 47 x 30 sparse (step, layer)s went through dense's own attention call.
+    assert delta(after, before, "dd_sparse_exact_rows_total") == 47 * N_LAYERS
 
 
 def skipped_query_rows(cached: int, n: int) -> int:
@@ -139,27 +147,11 @@ def test_every_combination_at_full_top_k_is_token_identical(
 ):
     """Every speculator x selector pair runs a ~4k request on the sparse path; with top_k >= the context
     its greedy tokens equal dense (the speculated positions ride in the batch without disturbing it)."""
-    before = metrics(dd_server)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "custom_params": {"dd_top_k": 8192, "dd_selector": selector, "dd_speculator": speculator}}  # fmt: skip
-    r = httpx.post(
-        f"{dd_server.url}/generate",
-        json={"input_ids": combo_prompt[1], "sampling_params": sampling},
-        timeout=600,
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["output_ids"] == combo_dense[:12]
-    after = metrics(dd_server)
-    # Its prompt's cached prefix (after the first pair) was not recomputed, yet the tokens equal dense.
-    meta = r.json()["meta_info"]
+    body, before, after = full_top_k_request(dd_server, combo_prompt[1], combo_dense[:12], selector, speculator)
+    # Its prompt's cached prefix (after the first request) was not recomputed, yet the tokens equal dense.
+    meta = body["meta_info"]
     skipped = delta(after, before, "dd_extend_query_rows_skipped_total")
     assert skipped == N_LAYERS * skipped_query_rows(meta["cached_tokens"], meta["prompt_tokens"])
-    assert (
-        transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
-        == 1
-    )
-    rows = after["dd_sparse_decode_rows_total"] - before.get("dd_sparse_decode_rows_total", 0.0)
-    assert rows == 11 * N_LAYERS
 
 
 @pytest.mark.parametrize("selector,speculator", PAIRS)
