@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from bench.server import ServerProcess, launch_server
+from tests.lanes import make_lane_scheduling, on_this_worker
 from tests.servers import LAUNCHERS, booted, boots, serve, stop_and_check, stop_behind, stopping
 
 #: KV pool cap of the test server, in tokens (small: the suite runs on 2 cores / 24 GB).
@@ -59,11 +60,18 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda it: group[it.path])  # stable: collection order within a group
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist, each worker runs one lane of tests with its own servers (``tests/lanes.py``)."""
+    return make_lane_scheduling(config, log)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _boot(request, tmp_path_factory):
-    """Launch every registered server a selected test uses (module docstring); at the end of the
-    session, wait for every stop and assert its checks."""
-    needed = {n for it in request.session.items for n in getattr(it, "fixturenames", ()) if n in LAUNCHERS}
+    """Launch every registered server a selected test of this worker's lane uses (module docstring,
+    ``tests/lanes.py``); at the end of the session, wait for every stop and assert its checks."""
+    mine = [it for it in request.session.items if on_this_worker(it.nodeid)]
+    needed = {n for it in mine for n in getattr(it, "fixturenames", ()) if n in LAUNCHERS}
     if needed:
         tok = request.getfixturevalue("tokenizer")
         for name in sorted(needed):

@@ -2,8 +2,10 @@
 
 Cases come from failure reports of KV-offload and sparse-decode systems
 (SGLang HiCache/HiSparse, vLLM's offload connector, LMCache); each is a real
-request sequence against real servers, checked against values computed
-independently (the session's dense server, byte counts of the preset).
+request sequence against a real server, checked against values computed
+independently (the server's own dense path after a fresh prefill, transformers on the same
+weights, byte counts of the preset). The package does not use the session's dense server: it
+runs on the second pytest-xdist worker beside the tests that do (``tests/lanes.py``).
 
 The server (:func:`rel_server`, package scope) is the CPU preset with:
 
@@ -15,7 +17,8 @@ The server (:func:`rel_server`, package scope) is the CPU preset with:
 * a host tier of :data:`GROWTH_PROMPT` 's pages + 2 (``sparse.host_tier_bytes``),
   so one request's decode growth fills it;
 * ``prefetch.hit_rate_sample`` 1 (every step feeds the prefetch series);
-* the dense server's dtype (outputs are compared token for token with it);
+* the launcher's default dtype for this CPU, given explicitly (the host tier is sized in its bytes
+  before the server starts);
 * a device pool of 4,096 tokens and SGLang's ``--api-key`` (the sidecar's
   ``/stats`` must honour it), ``--enable-cache-report`` for cached-token counts.
 """
@@ -49,9 +52,9 @@ def growth_prompt(tokenizer) -> tuple[str, list[int]]:
 
 
 @pytest.fixture(scope="package")
-def bytes_per_token(server) -> int:
-    """KV bytes per token in the dtype of the session's dense server, which the reliability server shares."""
-    return kv_bytes_per_token(server.kv_itemsize)
+def bytes_per_token(rel_server) -> int:
+    """KV bytes per token in the dtype the reliability server reports (``/server_info``)."""
+    return kv_bytes_per_token(rel_server.kv_itemsize)
 
 
 @pytest.fixture(scope="package")
@@ -60,14 +63,17 @@ def host_usable_bytes(growth_prompt, bytes_per_token) -> int:
     return _usable_bytes(len(growth_prompt[1]), bytes_per_token)
 
 
-@boots("rel_server")
-def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
-    """Launched beside the session's dense server, before either is up: it takes the dtype the
-    launcher gives the dense one (:func:`dd_sglang.platform.dtype.default_dtype`), which
-    :func:`rel_server` then checks against the dense server's."""
+def _dtype() -> str:
+    """The launcher's default dtype for this CPU (:func:`dd_sglang.platform.dtype.default_dtype`), given
+    to the reliability server explicitly: its host tier is sized in that dtype's bytes before it starts."""
     from dd_sglang.platform.dtype import default_dtype
 
-    dtype = default_dtype()
+    return default_dtype()
+
+
+@boots("rel_server")
+def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
+    dtype = _dtype()
     per_token = kv_bytes_per_token({"float32": 4, "bfloat16": 2, "float16": 2}[dtype])
     usable = _usable_bytes(len(_growth_prompt(tokenizer)[1]), per_token)
     tmp = tmp_path_factory.mktemp("rel_server")
@@ -87,11 +93,11 @@ def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
 
 
 @pytest.fixture(scope="package")
-def rel_server(server, tmp_path_factory, tokenizer) -> ServerProcess:
+def rel_server(tmp_path_factory, tokenizer) -> ServerProcess:
     body = serve("rel_server", tmp_path_factory, tokenizer)
     srv = next(body)
     try:
-        assert srv.dtype == server.dtype, f"reliability server in {srv.dtype}, dense server in {server.dtype}"
+        assert srv.dtype == _dtype(), f"reliability server in {srv.dtype}, launched with --dtype {_dtype()}"
         yield srv
     finally:
         next(body, None)  # its stop

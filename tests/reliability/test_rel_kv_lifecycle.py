@@ -115,7 +115,7 @@ def test_stream_disconnect_stops_decoding_and_returns_kv(rel_server, tokenizer):
     assert end["dd_device_kv_used_bytes"] == end["dd_host_tier_used_bytes"] == 0
 
 
-def test_aborts_between_prefill_chunks_leave_no_corrupt_prefix(rel_server, server, tokenizer):
+def test_aborts_between_prefill_chunks_leave_no_corrupt_prefix(rel_server, tokenizer):
     """Two requests aborted (``/abort_request``) while their ~1,200-token prompt prefills in ten 128-token
     chunks, the second ~0.5 s later than the first; SGLang keeps the chunks they computed as prefix
     cache. Then the same prompt gives the dense path's greedy tokens (sparse, full critical set)."""
@@ -156,7 +156,7 @@ def test_aborts_between_prefill_chunks_leave_no_corrupt_prefix(rel_server, serve
 
 
 def test_generated_tokens_come_back_from_the_host_tier_equal_to_dense(
-    rel_server, server, tokenizer, bytes_per_token
+    rel_server, tokenizer, bytes_per_token
 ):
     """96 tokens after a ~1,050-token prompt, window 32 + page 16: from token ~48 on, the first
     generated tokens live only in the host tier (mid-stream the request holds <= 52 device slots while
@@ -189,7 +189,7 @@ def test_generated_tokens_come_back_from_the_host_tier_equal_to_dense(
 
 
 def test_decode_growth_past_the_host_tier(
-    rel_server, server, tokenizer, growth_prompt, host_usable_bytes, bytes_per_token
+    rel_server, tokenizer, growth_prompt, host_usable_bytes, bytes_per_token
 ):
     """The host tier holds the growth prompt's pages + 2. Its request decodes 120 tokens: two more
     pages fill the tier, then its window cannot slide and it keeps its growth on the device. A second

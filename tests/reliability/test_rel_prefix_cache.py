@@ -7,6 +7,8 @@ produce the next token's logits), so a fully cached prompt reports ``n - 1`` cac
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 
@@ -14,6 +16,9 @@ from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, wait_idle
 
 pytestmark = pytest.mark.server
+#: Largest gap between one prompt token's log-probability on the server and in float32 (nats):
+#: the bound ``tests/dualdecoder/test_fidelity_e2e.py`` puts on bf16 rounding.
+BF16_LOGPROB_TOL = 0.25
 
 
 def generate(srv, ids: list[int], n: int, **extra) -> dict:
@@ -23,14 +28,15 @@ def generate(srv, ids: list[int], n: int, **extra) -> dict:
     return r.json()
 
 
-def test_fully_cached_prompt_with_max_tokens_1(rel_server, server, tokenizer):
+def test_fully_cached_prompt_with_max_tokens_1(rel_server, tokenizer):
     """The same ~1,100-token prompt with max_tokens=1: cold, warm (device radix cache), and after a
     host-tier round trip (its device copy evicted, its host pages reloaded: REBUILD). Each time the one
-    token equals the dense server's and the cached-token count is exact."""
+    token equals a fresh prefill's (a new ``extra_key``: no cache shared with these requests) and the
+    cached-token count is exact."""
     prompt, n = passkey_prompt(tokenizer, 1200, 0.5, 42424, header="Fully cached check. ")
     ids = tokenizer.encode(prompt)
     assert 1024 <= n
-    first = generate(server, ids, 1)["output_ids"]
+    first = generate(rel_server, ids, 1, extra_key=f"reference-{uuid.uuid4().hex}")["output_ids"]
     flush_when_idle(rel_server)
     cold = generate(rel_server, ids, 1)
     assert cold["output_ids"] == first and cold["meta_info"]["cached_tokens"] == 0
@@ -112,10 +118,24 @@ def prompt_logprobs(srv, ids: list[int]) -> list[float]:
     return lps[1:]  # the first token has no logprob (None)
 
 
-def test_prompt_logprobs_do_not_depend_on_request_order(rel_server, server, tokenizer):
+def transformers_logprobs(model_path, dtype: str, ids: list[int]) -> list[float]:
+    """Log-probabilities (nats, ``len(ids) - 1`` floats) of ``ids[1:]`` under transformers' forward
+    pass of the same weights in ``dtype`` (``"float32"``, ``"bfloat16"``), each from a float32
+    log-softmax of its logits: an implementation independent of SGLang's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    lps = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return lps.tolist()
+
+
+def test_prompt_logprobs_do_not_depend_on_request_order(rel_server, tokenizer, model_path):
     """Two prompts sharing a ~300-token prefix, asked for prompt logprobs cold, after each other and
     after themselves: every order gives the same logprobs bit for bit (a cached prefix must not change
-    or drop them), and they match the dense server's within bf16 rounding."""
+    or drop them), and they match transformers' on the same weights in float32 within bf16 rounding."""
     shared = "Notes from the harbour master. " * 60
     a = tokenizer.encode(shared + "The ferry leaves at nine and returns at noon.")
     b = tokenizer.encode(shared + "Storms close the harbour twice every winter.")
@@ -129,5 +149,9 @@ def test_prompt_logprobs_do_not_depend_on_request_order(rel_server, server, toke
     a_after_b = prompt_logprobs(rel_server, a)
     assert a_cold == a_after_both == a_after_b
     assert b_cold == b_after_a
-    dense = prompt_logprobs(server, a)
-    assert max(abs(x - y) for x, y in zip(dense, a_cold, strict=True)) < 0.1
+    # The float32 reference: the server's gap from it is its own rounding (bf16 on a CPU with native
+    # bf16). Measured on the AMD EPYC host (bf16): mean 0.003 nats, largest 0.090 (from a bf16 transformers
+    # run: 0.098). A dropped or shifted prefix is off by nats on most tokens; bf16 logits step
+    # 0.0625-0.125 at |logit| 8-32, hence the single-token bound.
+    gaps = [abs(x - y) for x, y in zip(transformers_logprobs(model_path, "float32", a), a_cold, strict=True)]
+    assert sum(gaps) / len(gaps) < 0.02 and max(gaps) < BF16_LOGPROB_TOL, (sum(gaps) / len(gaps), max(gaps))
