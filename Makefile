@@ -28,7 +28,7 @@ serve: $(STAMP)
 	$(BIN)/python -m dd_sglang.launch_server $(ARGS)
 
 test: model
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
