@@ -3,7 +3,8 @@
 Both modules (``test_dualdecoder_e2e.py``, ``test_fidelity_e2e.py``) once started a server each
 with nearly the same settings; one start-up (~45-60 s on 2 cores) is saved by sharing it.
 The default CPU preset, except that every step measures the prefetch hit rate
-(``prefetch.hit_rate_sample: 1``), with a device KV pool of :data:`CAP` tokens (two ~4k
+(``prefetch.hit_rate_sample: 1``) and a host tier of :data:`HOST_TIER_BYTES`, with SGLang's
+``--chunked-prefill-size`` :data:`CHUNK` and a device KV pool of :data:`CAP` tokens (two ~2k
 dense requests fit, three do not), SGLang's ``--enable-cache-report`` (cached-token counts)
 and ``--enable-custom-logit-processor`` (the quality benches' teacher forcing). It is
 launched before the first test (``tests/conftest.py``) and stops when the package's tests are done.
@@ -17,15 +18,24 @@ from bench.client import COMMON_FLAGS, bench_preset
 from bench.server import ServerProcess, launch_server
 from tests.servers import boots, serve
 
-#: Device KV pool of the package's server (tokens): two ~4k dense requests fit, three do not.
-CAP = 8400
+#: Device KV pool of the package's server (tokens): two ~2k dense requests fit, three do not (the
+#: benchmarks' 8,400 for ~4k prompts, halved: the same checks at half the prefill work).
+CAP = 4200
+#: SGLang's ``--chunked-prefill-size`` there (the preset's 4,096, halved with the pool): one ~2k prompt
+#: per prefill batch. With 4,096 SGLang prefills two ~2k prompts in one batch, filling the pool to
+#: 0.97, and their offload finds no device slots for the resident copies (they stay dense).
+CHUNK = 2048
+#: Its host tier (``sparse.host_tier_bytes``; the preset's 2 GiB, halved): 46,603 bf16 tokens, 23,301
+#: float32 ones; the capacity test's 8 requests hold ~16k. ~1.3 GB less resident memory (the tier
+#: and its int8 index) beside the suite's other servers.
+HOST_TIER_BYTES = 1024**3
 
 
 @boots("dd_server")
 def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
     tmp = tmp_path_factory.mktemp("dd_server")
-    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--dd-config", str(bench_preset(tmp, 1.0)),
-            *COMMON_FLAGS]  # fmt: skip
+    args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
+            "--dd-config", str(bench_preset(tmp, 1.0, HOST_TIER_BYTES)), *COMMON_FLAGS]  # fmt: skip
     return launch_server(tmp / "server.log", CAP, args)
 
 
