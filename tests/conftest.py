@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from bench.server import ServerProcess, launch_server
-from tests.lanes import make_lane_scheduling, on_this_worker
+from tests.lanes import make_lane_scheduling, on_this_worker, shared_servers, this_worker
 from tests.servers import LAUNCHERS, booted, boots, serve, stop_and_check, stop_behind, stopping
 
 #: KV pool cap of the test server, in tokens (small: the suite runs on 2 cores / 24 GB).
@@ -58,6 +58,10 @@ def pytest_collection_modifyitems(session, config, items):
         g = 1 if _uses_booted(it) else 2 if it.get_closest_marker("server") else 0
         group[it.path] = max(group.get(it.path, 0), g)
     items.sort(key=lambda it: group[it.path])  # stable: collection order within a group
+    workers = this_worker()[1]
+    uses = [(it.nodeid, getattr(it, "fixturenames", ())) for it in items]
+    if shared := shared_servers(uses, list(LAUNCHERS), workers):
+        raise pytest.UsageError(f"servers used on more than one lane of tests/lanes.py (move the tests): {shared}")
 
 
 @pytest.hookimpl(optionalhook=True)

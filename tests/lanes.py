@@ -86,3 +86,17 @@ def make_lane_scheduling(config, log):
 def lane_indices(collection: Sequence[str], index: int, workers: int) -> list[int]:
     """Positions in ``collection`` (node ids in collection order) of worker ``index``'s tests."""
     return [i for i, nodeid in enumerate(collection) if lane_of(nodeid, workers) == index]
+
+
+def shared_servers(uses: Sequence[tuple[str, Sequence[str]]], servers: Sequence[str], workers: int) -> dict[str, list[int]]:
+    """Server fixtures that tests on more than one lane use: ``{fixture name: sorted lanes}``.
+
+    ``uses``: ``(node id, fixture names)`` per test; ``servers``: the fixture names that own a
+    booted server. Each lane's worker would boot its own copy of such a server (one more SGLang,
+    ~3 GB), so ``tests/conftest.py`` refuses to run them."""
+    lanes: dict[str, set[int]] = {}
+    for nodeid, names in uses:
+        for name in names:
+            if name in servers:
+                lanes.setdefault(name, set()).add(lane_of(nodeid, workers))
+    return {name: sorted(ls) for name, ls in lanes.items() if len(ls) > 1}
