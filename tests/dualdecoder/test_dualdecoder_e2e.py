@@ -278,8 +278,10 @@ def completion_stream(srv, prompt: str, max_tokens: int, **body):
         yield (line for line in resp.iter_lines() if line.startswith("data: {"))
 
 
-def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 40, at: int = 20) -> tuple[str, dict]:
-    """Stream a greedy completion; scrape the metrics once ``at`` tokens have arrived (mid-decode)."""
+def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 80, at: int = 20) -> tuple[str, dict]:
+    """Stream a greedy completion; scrape the metrics once ``at`` tokens have arrived (mid-decode: the
+    request must still be sparse then, with ``n_tokens - at`` tokens to go: at 40 tokens on the ~2k
+    prompts one suite run sampled after the request had ended, its ring already reported as 0)."""
     text, sample = "", {}
     with completion_stream(srv, prompt, n_tokens, ignore_eos=True, custom_params=custom) as lines:
         seen = 0
@@ -289,6 +291,7 @@ def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 40, at: in
             if seen == at:
                 time.sleep(0.6)  # > metrics.update_interval_s: the gauges are republished meanwhile
                 sample = metrics(srv)
+    assert sample.get('dd_dualpath_requests{state="DECODE_SPARSE"}') == 1, "sampled after the request ended"
     return text, sample
 
 
