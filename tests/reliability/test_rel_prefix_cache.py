@@ -14,11 +14,9 @@ import pytest
 
 from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, wait_idle
+from tests.dualdecoder.test_fidelity_e2e import BF16_LOGPROB_TOL  # the bound on one token's bf16 rounding
 
 pytestmark = pytest.mark.server
-#: Largest gap between one prompt token's log-probability on the server and in float32 (nats):
-#: the bound ``tests/dualdecoder/test_fidelity_e2e.py`` puts on bf16 rounding.
-BF16_LOGPROB_TOL = 0.25
 
 
 def generate(srv, ids: list[int], n: int, **extra) -> dict:
@@ -118,16 +116,15 @@ def prompt_logprobs(srv, ids: list[int]) -> list[float]:
     return lps[1:]  # the first token has no logprob (None)
 
 
-def transformers_logprobs(model_path, dtype: str, ids: list[int]) -> list[float]:
-    """Log-probabilities (nats, ``len(ids) - 1`` floats) of ``ids[1:]`` under transformers' forward
-    pass of the same weights in ``dtype`` (``"float32"``, ``"bfloat16"``), each from a float32
-    log-softmax of its logits: an implementation independent of SGLang's."""
+def transformers_logprobs(model_path, ids: list[int]) -> list[float]:
+    """Log-probabilities (nats, ``len(ids) - 1`` floats) of ``ids[1:]`` under transformers' float32
+    forward pass of the same weights: an implementation independent of SGLang's."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+        logits = model(torch.tensor([ids])).logits[0, :-1]
     lps = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     return lps.tolist()
 
@@ -153,5 +150,5 @@ def test_prompt_logprobs_do_not_depend_on_request_order(rel_server, tokenizer, m
     # bf16). Measured on the AMD EPYC host (bf16): mean 0.003 nats, largest 0.090 (from a bf16 transformers
     # run: 0.098). A dropped or shifted prefix is off by nats on most tokens; bf16 logits step
     # 0.0625-0.125 at |logit| 8-32, hence the single-token bound.
-    gaps = [abs(x - y) for x, y in zip(transformers_logprobs(model_path, "float32", a), a_cold, strict=True)]
+    gaps = [abs(x - y) for x, y in zip(transformers_logprobs(model_path, a), a_cold, strict=True)]
     assert sum(gaps) / len(gaps) < 0.02 and max(gaps) < BF16_LOGPROB_TOL, (sum(gaps) / len(gaps), max(gaps))
