@@ -54,7 +54,8 @@ class FakeAllocator:
         self.free_slots += idx
 
     def evict_to_free_tokens(self, tree, n):
-        pass
+        if hasattr(tree, "evict"):
+            tree.evict(n - self.available_size(), self)
 
     def get_kvcache(self):
         return self.pool
@@ -66,6 +67,33 @@ class FakeTree:
 
     def unlock(self, lock):
         self.unlocked.append(lock)
+
+
+class PromptTree(FakeTree):
+    """A radix tree holding one prompt's ``slots``, pinned by ``holders`` locks; evicts its tail first (leaves)."""
+
+    def __init__(self, slots, holders=1):
+        super().__init__()
+        self.slots, self.holders, self.evicted, self.locked_nodes = list(slots.tolist()), holders, [], []
+
+    def unlock(self, lock):
+        super().unlock(lock)
+        self.holders -= 1
+
+    def lock(self, node):
+        self.locked_nodes.append(node)
+        self.holders += 1
+        return SimpleNamespace(node=node)
+
+    def evictable_size(self):
+        return 0 if self.holders else len(self.slots)
+
+    def evict(self, n, alloc):
+        if self.holders or n <= 0:
+            return
+        gone, self.slots = self.slots[-n:], self.slots[:-n]
+        self.evicted += gone
+        alloc.free(torch.tensor(gone))
 
 
 def params(**kw):
@@ -360,3 +388,49 @@ def test_a_request_larger_than_the_whole_tier_evicts_no_prefix_entry():
     assert len(rt.entries) == 1
     assert rt._host_alloc(120) is None  # 15 pages > 14 usable
     assert len(rt.entries) == 1 and rt.host.available_size() == (14 - 8) * 8
+
+
+def full_pool_with_the_prompt_in_the_tree(holders=1):
+    """The whole 100-token prompt tree-owned (as after SGLang's last prefill chunk) and 5 free slots left."""
+    rt, pool, alloc, r2t, req, _, ok, ov = setup(tree_owned=100)
+    tree = PromptTree(r2t[2, :100].long(), holders=holders)
+    req.lock = SimpleNamespace(node="prompt-node")
+    alloc.alloc(alloc.available_size() - 5)  # another request's KV
+    return rt, pool, alloc, r2t, req, tree, ok, ov
+
+
+def test_a_full_pool_unpins_the_prompt_and_fills_the_resident_set_from_the_host_tier():
+    """Two long prompts prefilled in one batch can leave fewer free slots than the resident set (23
+    here, 5 free): the request drops its tree lock, the tree evicts the prompt's tail, and the fresh
+    slots (the evicted ones among them) are filled from the host tier, bit for bit."""
+    rt, pool, alloc, r2t, req, tree, ok, ov = full_pool_with_the_prompt_in_the_tree()
+    row0 = r2t[2, :100].long().clone()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    assert st.path.state is PathState.DECODE_SPARSE
+    resident = [*st.keep_pos.tolist(), *range(st.win_start, 100)]
+    assert len(resident) == 23 and st.win_start == 84
+    assert len(tree.evicted) == 18 and len(tree.unlocked) == 1  # only what the 23 slots needed
+    row = r2t[2, :100].long()
+    assert set(row[resident].tolist()) & set(tree.evicted)  # evicted slots were reused ...
+    for p in range(100):
+        if p in resident:
+            for layer in range(LAYERS):  # ... and hold the right K/V
+                assert torch.equal(pool.k_buffer[layer][row[p]], ok[layer][row0[p]])
+                assert torch.equal(pool.v_buffer[layer][row[p]], ov[layer][row0[p]])
+        else:
+            assert row[p] == 0
+    assert alloc.available_size() == 0  # 5 free + 18 evicted = the 23 resident slots
+    assert req.lock is None and tree.locked_nodes == [] and req.kv.cache_protected_len == 0
+    assert not set(row[resident].tolist()) & set(tree.slots)  # no slot shared with the tree
+
+
+def test_a_full_pool_with_a_shared_prompt_stays_dense_and_keeps_its_lock():
+    """Another request pins the same prompt: nothing is evictable, the request keeps its KV and a lock."""
+    rt, pool, alloc, r2t, req, tree, *_ = full_pool_with_the_prompt_in_the_tree(holders=2)
+    row0 = r2t[2].clone()
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert rt.requests["r1"].path.state is PathState.DENSE
+    assert torch.equal(r2t[2], row0) and alloc.available_size() == 5 and tree.evicted == []
+    assert tree.locked_nodes == ["prompt-node"] and req.lock.node == "prompt-node" and tree.holders == 2
+    assert rt.host.used_bytes == 0 and not req.skip_radix_cache_insert

@@ -18,7 +18,9 @@ Life of a long request (``len(prompt) >= min_sparse_len``):
    ``n_sink`` first positions, ``n_keep`` positions with the largest key norm,
    and the last ``n_recent`` positions (the window). Resident positions whose
    slots the radix tree owns are copied to fresh device slots (the tree may
-   evict its copy); request-owned slots outside the resident set go back to
+   evict its copy); when the pool is too full for those, the request first
+   drops its tree lock so the tree can evict its own prompt, and the fresh
+   slots are filled from the host tier; request-owned slots outside the resident set go back to
    SGLang's allocator; the request drops its tree lock, so the tree's copy of
    the prompt becomes evictable cache; released positions in the request's
    ``req_to_token`` row point at SGLang's padding slot 0. The radix tree never
@@ -412,19 +414,13 @@ class SparseRuntime:
         resident = torch.cat([keep, torch.arange(w, L, dtype=torch.int64)])
         cpl = int(kv.cache_protected_len)
         tree_owned = resident[resident < cpl]
-        fresh = self.alloc_device(int(tree_owned.numel()), tree_cache)
-        if fresh is None:
+        if not self._move_tree_owned(req, st, row, tree_owned, tree_cache):
             logger.info("dualdecoder: no device slots for the resident set, %s stays dense", req.rid)
             self.host.free(st.host_slots)
             st.host_slots, st.host_len = torch.empty(0, dtype=torch.int64), 0
             st.path.to(S.DENSE)
             return False
-        if tree_owned.numel():
-            src = row[tree_owned].long()
-            for k_buf, v_buf in zip(self.device_pool.k_buffer, self.device_pool.v_buffer, strict=True):
-                k_buf[fresh] = k_buf[src]
-                v_buf[fresh] = v_buf[src]
-            row_view[tree_owned] = fresh.to(row_view.dtype)
+        row_view[tree_owned] = row[tree_owned]
         # Release: request-owned slots outside the resident set go back to SGLang.
         is_resident = torch.zeros(L, dtype=torch.bool)
         is_resident[resident] = True
@@ -434,8 +430,9 @@ class SparseRuntime:
             self.allocator.free(row[owned_gone].long().to(self.allocator.device))
         row_view[:L][~is_resident] = 0  # SGLang's padding slot
         # The tree keeps its copy of the prompt as evictable cache; the request no longer pins it.
-        tree_cache.unlock(req.lock)
-        req.lock = None
+        if req.lock is not None:
+            tree_cache.unlock(req.lock)
+            req.lock = None
         kv.cache_protected_len = 0
         req.skip_radix_cache_insert = True  # the row now has holes; never insert it
         st.pool_idx = pool_idx
@@ -447,6 +444,53 @@ class SparseRuntime:
         self.offloaded_tokens += L
         self.reclaimed_slots += L - int(resident.numel())
         st.path.to(S.DECODE_SPARSE)
+        return True
+
+    def _move_tree_owned(self, req, st: SparseRequest, row: torch.Tensor, pos: torch.Tensor, tree_cache) -> bool:
+        """Give the resident positions ``pos`` (``[n]`` int64) whose slots the radix tree owns fresh slots.
+
+        ``row``: the request's ``[L]`` slot row (a copy of ``req_to_token``'s), updated in place. First choice:
+        ``n`` free slots (radix cache evicted as needed, the request's own prompt still locked),
+        filled from the old slots on the device. When the pool cannot give them (e.g. two long
+        prompts prefilled in one batch fill it), the request's tree lock is dropped first, so the
+        tree may evict the request's own copy of the prompt; the fresh slots are then filled from
+        the host tier, which already holds positions ``[0, L)``. The lock is dropped only when
+        the pool's free plus evictable slots (``tree_cache.evictable_size()``, SGLang
+        ``base_prefix_cache.py``) cover ``n``; otherwise it is taken again on the same node
+        and False is returned with nothing evicted that the request needs.
+
+        Raises:
+            RuntimeError: slots the tree reported evictable could not be allocated (not expected:
+                SGLang evicts every unlocked node before giving up).
+        """
+        n = int(pos.numel())
+        fresh = self.alloc_device(n, tree_cache)
+        from_host = False
+        if fresh is None:
+            if req.lock is None or tree_cache is None:
+                return False
+            node = req.lock.node
+            tree_cache.unlock(req.lock)
+            req.lock = None
+            if self.allocator.available_size() + tree_cache.evictable_size() < n:
+                req.lock = tree_cache.lock(node)
+                return False
+            fresh = self.alloc_device(n, tree_cache)
+            if fresh is None:  # the tree's evictable count was exact, so this is not expected
+                raise RuntimeError(f"dualdecoder: {n} slots reported evictable could not be allocated")
+            from_host = True
+            logger.info("dualdecoder: %s unpinned its prompt for %d resident slots (pool full)", req.rid, n)
+        if n == 0:
+            return True
+        if from_host:
+            for layer in range(self.host.layer_num):
+                self.host.load_to_device_per_layer(self.device_pool, st.host_slots[pos], fresh, layer)
+        else:
+            src = row[pos].long()
+            for k_buf, v_buf in zip(self.device_pool.k_buffer, self.device_pool.v_buffer, strict=True):
+                k_buf[fresh] = k_buf[src]
+                v_buf[fresh] = v_buf[src]
+        row[pos] = fresh.to(row.dtype)
         return True
 
     def _flush_and_slide(self, req, st: SparseRequest, kv_len: int) -> None:

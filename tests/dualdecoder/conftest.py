@@ -21,10 +21,10 @@ from tests.servers import boots, serve
 #: Device KV pool of the package's server (tokens): two ~2k dense requests fit, three do not (the
 #: benchmarks' 8,400 for ~4k prompts, halved: the same checks at half the prefill work).
 CAP = 4200
-#: SGLang's ``--chunked-prefill-size`` there (the preset's 4,096, halved with the pool): one ~2k prompt
-#: per prefill batch. With 4,096 SGLang prefills two ~2k prompts in one batch, filling the pool to
-#: 0.97, and their offload finds no device slots for the resident copies (they stay dense).
-CHUNK = 2048
+#: SGLang's ``--chunked-prefill-size`` there (the preset's). Two ~2k prompts fit one prefill batch,
+#: which can fill the pool to 0.97: the capacity test then sees a request's offload unpin its own
+#: prompt to get its resident slots (``SparseRuntime._move_tree_owned``), and all 8 must still go sparse.
+CHUNK = 4096
 #: Its host tier (``sparse.host_tier_bytes``; the preset's 2 GiB, halved): 46,603 bf16 tokens, 23,301
 #: float32 ones; the capacity test's 8 requests hold ~16k. ~1.3 GB less resident memory (the tier
 #: and its int8 index) beside the suite's other servers.
