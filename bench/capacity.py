@@ -45,7 +45,11 @@ Recorded per backend:
   decode-step throughput ratio the same-budget goal asks about, without the 8
   prefills that are the same work on every backend;
 * passkeys found, per-request latency, the peak of the per-request device
-  slots (``dd_sparse_request_device_tokens_max``) and of the host tier's bytes.
+  slots (``dd_sparse_request_device_tokens_max``) and of the host tier's bytes;
+* ``went_sparse``: requests that reached ``DECODE_SPARSE`` in the run (``OFFLOADING ->
+  DECODE_SPARSE`` transitions; 0 for dense), and ``offloads_unpinned``: how many of those
+  offloads found the pool too full for their resident set and gave up their own prompt in the
+  radix tree (``dd_offload_unpinned_total``).
 
 Results are JSON; nothing here is a pass/fail test.
 """
@@ -67,7 +71,7 @@ import httpx
 
 from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
-from bench.server import flush_when_idle, launch_server, scrape
+from bench.server import delta, flush_when_idle, launch_server, scrape, transitions
 
 
 def steady_decode(times: list[list[float]]) -> dict:
@@ -178,6 +182,7 @@ def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict
                       "chunks": len(times), "tokens": usage["completion_tokens"] if usage else len(times), "start": t0,
                       "first_token": times[0] if times else None, "end": time.monotonic(), "times": times}  # fmt: skip
 
+    before = scrape(srv.metrics_url)
     poller = threading.Thread(target=sample, daemon=True)
     poller.start()
     t0 = time.monotonic()
@@ -191,6 +196,7 @@ def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict
     finally:
         done.set()
         poller.join()
+    after = scrape(srv.metrics_url)
     state = "DECODE_SPARSE" if backend == "dualdecoder" else "DENSE"
     key = f'dd_dualpath_requests{{state="{state}"}}'
     tokens = sum(r["tokens"] for r in results)
@@ -204,6 +210,10 @@ def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict
             max(s.get("dd_sparse_request_device_tokens_max", 0) for _, s in samples)
         ),
         "peak_host_tier_used_bytes": int(max(s.get("dd_host_tier_used_bytes", 0) for _, s in samples)),
+        "went_sparse": int(
+            transitions(after, "OFFLOADING", "DECODE_SPARSE") - transitions(before, "OFFLOADING", "DECODE_SPARSE")
+        ),
+        "offloads_unpinned": int(delta(after, before, "dd_offload_unpinned_total")),
         "wall_seconds": round(wall, 2),
         "output_tokens": tokens,
         "streamed_chunks": sum(r["chunks"] for r in results),
@@ -271,6 +281,8 @@ def run_rounds(specs: list[str], rounds: list[list[tuple[str, int, int]]], args)
             "peak_rss_bytes": srv.peak_rss_bytes, "shutdown": shutdowns[kinds[spec]],
             "found": sum(x["found"] for x in rr), "total": sum(x["total"] for x in rr),
             "peak_concurrent_decoding": max(x["peak_concurrent_decoding"] for x in rr),
+            "went_sparse": sum(x["went_sparse"] for x in rr),
+            "offloads_unpinned": sum(x["offloads_unpinned"] for x in rr),
             "output_tokens": sum(x["output_tokens"] for x in rr),
             "steady_concurrency": min(x["steady_concurrency"] for x in rr),
             **{k: round(_median([x[k] for x in rr]), 3) for k in RATES},
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b}: {r['found']}/{r['total']} passkeys, peak {r['peak_concurrent_decoding']} decoding at once, "
               f"{r['output_tokens_per_second']} out tok/s, {r['decode_tokens_per_second']} decode tok/s, "
               f"steady {r['steady_decode_tokens_per_second']} tok/s at {r['steady_concurrency']} decoding, "
-              f"wall {r['wall_seconds']} s")  # fmt: skip
+              f"wall {r['wall_seconds']} s, {r['went_sparse']} went sparse ({r['offloads_unpinned']} unpinned)")  # fmt: skip
     print(f"-> {out}")
     return 0
 

@@ -44,6 +44,12 @@ def _count_rebuild(n_tokens: int) -> None:
     HOST_TIER_REBUILT_TOKENS.inc(n_tokens)
 
 
+def _count_unpin() -> None:
+    from dd_sglang.metrics.definitions import OFFLOAD_UNPINNED
+
+    OFFLOAD_UNPINNED.inc()
+
+
 def create_dualdecoder_radix_cache(ctx):
     """Factory SGLang calls with its ``TreeCacheBuildContext``.
 
@@ -84,6 +90,7 @@ def create_dualdecoder_radix_cache(ctx):
             ctx.params.req_to_token_pool.req_to_token,
             on_transition=_count_transition if ranks.primary else None,
             on_rebuild=_count_rebuild if ranks.primary else None,
+            on_unpin=_count_unpin if ranks.primary else None,
             selectors=tuple(SELECTORS),
             speculators=tuple(SPECULATORS),
             speculator=current_config().prefetch.speculator,

@@ -404,8 +404,11 @@ def test_a_full_pool_unpins_the_prompt_and_fills_the_resident_set_from_the_host_
     here, 5 free): the request drops its tree lock, the tree evicts the prompt's tail, and the fresh
     slots (the evicted ones among them) are filled from the host tier, bit for bit."""
     rt, pool, alloc, r2t, req, tree, ok, ov = full_pool_with_the_prompt_in_the_tree()
+    unpins = []
+    rt.on_unpin = lambda: unpins.append(1)
     row0 = r2t[2, :100].long().clone()
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert unpins == [1]  # dd_offload_unpinned_total
     st = rt.requests["r1"]
     assert st.path.state is PathState.DECODE_SPARSE
     resident = [*st.keep_pos.tolist(), *range(st.win_start, 100)]
@@ -428,8 +431,11 @@ def test_a_full_pool_unpins_the_prompt_and_fills_the_resident_set_from_the_host_
 def test_a_full_pool_with_a_shared_prompt_stays_dense_and_keeps_its_lock():
     """Another request pins the same prompt: nothing is evictable, the request keeps its KV and a lock."""
     rt, pool, alloc, r2t, req, tree, *_ = full_pool_with_the_prompt_in_the_tree(holders=2)
+    unpins = []
+    rt.on_unpin = lambda: unpins.append(1)
     row0 = r2t[2].clone()
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert unpins == []
     assert rt.requests["r1"].path.state is PathState.DENSE
     assert torch.equal(r2t[2], row0) and alloc.available_size() == 5 and tree.evicted == []
     assert tree.locked_nodes == ["prompt-node"] and req.lock.node == "prompt-node" and tree.holders == 2

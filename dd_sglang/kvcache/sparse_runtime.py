@@ -148,6 +148,8 @@ class SparseRuntime:
         req_to_token: ``[max_reqs, max_context_len]`` int32, SGLang's ``ReqToTokenPool.req_to_token``.
         on_transition: ``(src, dst)`` callback for every DualPath transition (metrics).
         on_rebuild: called with the number of tokens each REBUILD loaded back (metrics).
+        on_unpin: called once per offload that found the device pool too full for its resident
+            set and dropped the request's tree lock on its own prompt (metrics).
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
         speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
         speculator: the preset's speculator (``prefetch.speculator``).
@@ -165,6 +167,7 @@ class SparseRuntime:
         req_to_token: torch.Tensor,
         on_transition: Callable[[PathState, PathState], None] | None = None,
         on_rebuild: Callable[[int], None] | None = None,
+        on_unpin: Callable[[], None] | None = None,
         selectors: tuple[str, ...] = ("oracle",),
         speculators: tuple[str, ...] = ("none",),
         speculator: str = "none",
@@ -180,6 +183,7 @@ class SparseRuntime:
         self.req_to_token = req_to_token
         self.on_transition = on_transition
         self.on_rebuild = on_rebuild
+        self.on_unpin = on_unpin
         self.selectors = selectors
         self.speculators = speculators
         self.speculator = speculator
@@ -479,6 +483,8 @@ class SparseRuntime:
             if fresh is None:  # the tree's evictable count was exact, so this is not expected
                 raise RuntimeError(f"dualdecoder: {n} slots reported evictable could not be allocated")
             from_host = True
+            if self.on_unpin is not None:
+                self.on_unpin()
             logger.info("dualdecoder: %s unpinned its prompt for %d resident slots (pool full)", req.rid, n)
         if n == 0:
             return True

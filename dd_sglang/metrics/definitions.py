@@ -106,6 +106,13 @@ HOST_TIER_REBUILT_TOKENS = Counter(
     "dd_host_tier_rebuilt_tokens",
     "Tokens of finished requests' host-tier KV loaded back to the device as a new request's prefix (REBUILD).",
 )
+OFFLOAD_UNPINNED = Counter(
+    "dd_offload_unpinned",
+    "Offloads (prefill done, request going sparse) that found the device pool too full for the resident "
+    "set's fresh slots: the request dropped its radix-tree lock on its own prompt, the tree evicted it "
+    "and the resident set was loaded from the host tier. Often: --max-total-tokens is tight for the "
+    "prefill batches.",
+)
 PREFETCH_HITS = Counter(
     "dd_prefetch_hits",
     "Lookahead selectors, sampled steps (prefetch.hit_rate_sample): tokens of the real query's exact top-k "
@@ -240,6 +247,7 @@ UNITS = {
     "dd_sparse_exact_rows": "(request, layer) rows",
     "dd_extend_query_rows_skipped": "(token, layer) query rows",
     "dd_host_tier_rebuilt_tokens": "tokens",
+    "dd_offload_unpinned": "offloads",
     "dd_prefetch_hits": "critical-set slots (tokens per layer and KV head)",
     "dd_prefetch_lookups": "critical-set slots (tokens per layer and KV head)",
     "dd_prefetch_mass_prefetched": "softmax probability mass, summed over KV heads",
