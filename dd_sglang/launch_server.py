@@ -445,7 +445,8 @@ def _check_sglang_port(cfg: DDConfig, host: str, port: int) -> None:
 
 def _metrics_socket(cfg: DDConfig) -> socket.socket:
     """Step 5: bind the metrics port (kept by this launcher; SGLang's port was checked by
-    :func:`_check_sglang_port`, before the PyTorch imports).
+    :func:`_check_sglang_port`, before the PyTorch imports; :func:`_prepare` also binds and
+    closes this one there, so a taken metrics port is refused in well under a second too).
 
     Raises:
         _Refused: the metrics port is taken.
@@ -469,6 +470,7 @@ def _prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | No
     model_path, served_name = _model(cfg, sglang_argv)
     host, port = _port(sglang_argv, cfg)  # what build_sglang_argv passes: the flag, else the preset's
     _check_sglang_port(cfg, host, port)
+    _metrics_socket(cfg).close()  # a taken metrics port too, before PyTorch; bound for good at the end
     from dd_sglang.kvcache.params import HUGE_PAGES_ENV
     from dd_sglang.platform import PREPACK_ENV
 
