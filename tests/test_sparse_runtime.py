@@ -431,8 +431,9 @@ def test_a_full_pool_unpins_the_prompt_and_fills_the_resident_set_from_the_host_
 def test_a_full_pool_with_a_shared_prompt_stays_dense_and_keeps_its_lock():
     """Another request pins the same prompt: nothing is evictable, the request keeps its KV and a lock."""
     rt, pool, alloc, r2t, req, tree, *_ = full_pool_with_the_prompt_in_the_tree(holders=2)
-    unpins = []
+    unpins, seen = [], []
     rt.on_unpin = lambda: unpins.append(1)
+    rt.on_transition = lambda a, b: seen.append((a.value, b.value))
     row0 = r2t[2].clone()
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     assert unpins == []
@@ -440,3 +441,17 @@ def test_a_full_pool_with_a_shared_prompt_stays_dense_and_keeps_its_lock():
     assert torch.equal(r2t[2], row0) and alloc.available_size() == 5 and tree.evicted == []
     assert tree.locked_nodes == ["prompt-node"] and req.lock.node == "prompt-node" and tree.holders == 2
     assert rt.host.used_bytes == 0 and not req.skip_radix_cache_insert
+    # Dense decode steps do not retry the offload (each try copies the whole context to the host
+    # tier) while the pool has no more free slots than at the failure ...
+    del seen[:]
+    for _ in range(3):
+        r2t[2, req.kv.kv_committed_len] = alloc.alloc(1).int()
+        req.kv.kv_committed_len += 1
+        rt.after_decode(SimpleNamespace(reqs=[req]), tree)
+    assert seen == [] and rt.requests["r1"].path.state is PathState.DENSE
+    # ... and do once another request's slots come back.
+    alloc.free(torch.arange(101, 201))  # 100 of the other request's slots (the prompt holds 1-100)
+    r2t[2, req.kv.kv_committed_len] = alloc.alloc(1).int()
+    req.kv.kv_committed_len += 1
+    rt.after_decode(SimpleNamespace(reqs=[req]), tree)
+    assert seen == [("DENSE", "PREFILL_FULL"), ("PREFILL_FULL", "OFFLOADING"), ("OFFLOADING", "DECODE_SPARSE")]

@@ -104,6 +104,7 @@ class SparseRequest:
     miss_policy: str | None = None
     req: object = None
     host_free_at_failure: int = -1  # free host slots when an offload last failed (-1: never)
+    device_free_at_failure: int = -1  # free device slots when an offload last found none for its resident set
 
     def device_positions(self, end: int) -> torch.Tensor:
         """Sorted positions ``< end`` whose KV is on the device (int64)."""
@@ -333,6 +334,7 @@ class SparseRuntime:
                 st.path.state is S.DENSE
                 and st.path.wants_sparse(kv_len)
                 and self.host.available_size() > st.host_free_at_failure
+                and self.allocator.available_size() > st.device_free_at_failure
             ):
                 st.path.to(S.PREFILL_FULL)
                 self.offload(req, st, tree_cache)
@@ -420,6 +422,8 @@ class SparseRuntime:
         tree_owned = resident[resident < cpl]
         if not self._move_tree_owned(req, st, row, tree_owned, tree_cache):
             logger.info("dualdecoder: no device slots for the resident set, %s stays dense", req.rid)
+            # Retried (after decode steps) only once the pool has more free slots than now.
+            st.device_free_at_failure = self.allocator.available_size()
             self.host.free(st.host_slots)
             st.host_slots, st.host_len = torch.empty(0, dtype=torch.int64), 0
             st.path.to(S.DENSE)
