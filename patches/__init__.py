@@ -25,6 +25,7 @@ from dataclasses import dataclass
 #: Hook modules, in registration order.
 MODULES = (
     "patches.managers_scheduler",
+    "patches.managers_schedule_policy",
     "patches.layers_attention_attention_registry",
     "patches.mem_cache_registry",
     "patches.sampling_sampling_params",

@@ -242,6 +242,34 @@ class SparseRuntime:
             (st.device_tokens(self._kv_end(st)) for st in self.requests.values() if st.released), default=0
         )
 
+    def decode_growth_bound(self, rid: str) -> int | None:
+        """Most device slots request ``rid`` can still add (tokens), or None when SGLang's own estimate must stand.
+
+        A ``DECODE_SPARSE`` request never holds more than ``params.resident_bound`` device slots
+        (its window slides as pages flush to the host tier), so its future growth is that bound
+        minus what it holds now, however many tokens it may still generate. SGLang's admission
+        (``PrefillAdder._get_running_request_total_token_offset``,
+        ``sglang/srt/managers/schedule_policy.py``) reserves ``min(max_new_tokens - generated,
+        4096)`` slots for every running request instead, which keeps long sparse requests from
+        being admitted next to each other (a 2,048-token ``max_tokens`` reserves 2,048 slots).
+        None when ``rid`` is not sparse, or when the host tier (free slots plus finished entries
+        it may evict) cannot take the rest of every sparse request's generation: a window that
+        cannot flush stops sliding and grows by a slot a step.
+        """
+        st = self.requests.get(rid)
+        if st is None or st.path.state is not S.DECODE_SPARSE or not st.released:
+            return None
+        need = 0
+        for other in self.requests.values():
+            if other.path.state is S.DECODE_SPARSE:
+                left = _tokens_left(other.req)
+                if left is None:
+                    return None
+                need += -(-left // self.params.page_size) * self.params.page_size
+        if need > self.host.available_size() + self.host_entry_tokens():
+            return None
+        return max(0, self.params.resident_bound - st.device_tokens(self._kv_end(st)))
+
     def selector_aux_bytes(self) -> dict[str, int]:
         """Device bytes of selection state by selector (published by the attention backend)."""
         return dict(self.selector_aux)
@@ -658,6 +686,15 @@ class SparseRuntime:
         logger.debug(
             "dualdecoder: rebuilt %d tokens for %s in %.3f s", end - start, rid, time.perf_counter() - t0
         )
+
+
+def _tokens_left(req) -> int | None:
+    """Tokens SGLang's ``Req`` ``req`` may still generate (``max_new_tokens`` minus its outputs), None if unknown."""
+    params = getattr(req, "sampling_params", None)
+    max_new = getattr(params, "max_new_tokens", None)
+    if max_new is None:
+        return None
+    return max(0, int(max_new) - len(req.output_ids))
 
 
 _CURRENT: SparseRuntime | None = None
