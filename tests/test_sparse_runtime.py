@@ -455,3 +455,50 @@ def test_a_full_pool_with_a_shared_prompt_stays_dense_and_keeps_its_lock():
     req.kv.kv_committed_len += 1
     rt.after_decode(SimpleNamespace(reqs=[req]), tree)
     assert seen == [("DENSE", "PREFILL_FULL"), ("PREFILL_FULL", "OFFLOADING"), ("OFFLOADING", "DECODE_SPARSE")]
+
+
+def test_decode_growth_bound_is_the_resident_bound_minus_what_a_sparse_request_holds():
+    """What SGLang's admission may reserve for a running sparse request (device slots it can still add)."""
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    req.sampling_params = SimpleNamespace(max_new_tokens=1024)
+    assert rt.decode_growth_bound("r1") is None  # not admitted yet
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    st = rt.requests["r1"]
+    bound = rt.params.resident_bound  # 4 + 3 + 16 + 8 = 31
+    assert rt.decode_growth_bound("r1") == bound - st.device_tokens(100) == 31 - 23
+    decode_steps(rt, alloc, pool, r2t, req, tree, 5)
+    assert rt.decode_growth_bound("r1") == 31 - st.device_tokens(req.kv.kv_committed_len) == 31 - 23  # window slid
+    # The host tier (2,000 tokens, 112 used) cannot take 4,096 - 6 more tokens: the window could
+    # stop sliding, so SGLang's own estimate stands.
+    req.sampling_params.max_new_tokens = 4096
+    assert rt.decode_growth_bound("r1") is None
+    req.sampling_params.max_new_tokens = None
+    assert rt.decode_growth_bound("r1") is None
+
+
+def test_a_dense_request_keeps_sglangs_admission_estimate():
+    rt, pool, alloc, r2t, req, tree, *_ = setup(params(min_sparse_len=500))
+    req.sampling_params = SimpleNamespace(max_new_tokens=64)
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert rt.requests["r1"].path.state is PathState.DENSE
+    assert rt.decode_growth_bound("r1") is None
+
+
+def test_admission_hook_caps_only_sparse_requests():
+    """patches/managers_schedule_policy.py: min(SGLang's offset, the bound); SGLang's offset otherwise."""
+    from dd_sglang.kvcache import sparse_runtime
+    from patches.managers_schedule_policy import PrefillAdder__get_running_request_total_token_offset as hook
+
+    rt, pool, alloc, r2t, req, tree, *_ = setup()
+    req.sampling_params = SimpleNamespace(max_new_tokens=512)
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    other = SimpleNamespace(rid="dense-one")
+    sglang = lambda adder, r: 512 * 0.7  # noqa: E731 - SGLang's estimate, max_new x new_token_ratio
+    sparse_runtime.set_current(rt)
+    try:
+        assert hook(sglang, None, req) == 8  # 31 - 23
+        assert hook(sglang, None, other) == 512 * 0.7
+        assert hook(lambda adder, r: 5, None, req) == 5  # never more than SGLang's own
+    finally:
+        sparse_runtime.set_current(None)
+    assert hook(sglang, None, req) == 512 * 0.7  # no dualdecoder runtime in this process

@@ -480,6 +480,40 @@ def test_capacity_8_concurrent_2k_requests(dd_server, tokenizer):
     assert max(s["dd_critical_set_buffer_bytes"] for s in samples) > 0
 
 
+def test_long_max_tokens_do_not_keep_sparse_requests_out(dd_server, tokenizer):
+    """SGLang admits a prefill only if the pool also holds what every running request may still
+    generate (``max_tokens`` minus its output: 1,500 each here, ``ignore_eos``). A sparse request can
+    add no more than its resident bound, and the admission hook reserves only that: 3 ~2k requests
+    with ``max_tokens`` 1,500 decode sparsely at once in the 4,200-token pool. With SGLang's own
+    reservation the second would wait for the first to finish (4,200 - 133 resident - 1,500 reserved
+    < 1,980 + 1,500). The streams are closed once all 3 decode (SGLang aborts them)."""
+    prompts = [passkey_prompt(tokenizer, PROMPT_TARGET, d, 40000 + i, header=f"Admission {i}. ")[0]
+               for i, d in enumerate((0.2, 0.5, 0.8))]  # fmt: skip
+    flush_when_idle(dd_server)
+    stop = threading.Event()
+
+    def run(prompt):
+        with completion_stream(dd_server, prompt, 1500, ignore_eos=True) as lines:
+            for _ in lines:
+                if stop.is_set():
+                    return
+
+    workers = [threading.Thread(target=run, args=(p,), daemon=True) for p in prompts]
+    for w in workers:
+        w.start()
+    peak, deadline = 0, time.monotonic() + 240
+    try:
+        while peak < 3 and time.monotonic() < deadline and any(w.is_alive() for w in workers):
+            peak = max(peak, int(metrics(dd_server).get('dd_dualpath_requests{state="DECODE_SPARSE"}', 0)))
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+        wait_idle(dd_server)
+    assert peak == 3, f"at most {peak} of 3 sparse requests decoded at once"
+
+
 def test_multi_turn_reuses_host_tier_prefix(dd_server, tokenizer):
     """Turn 2 extends a finished sparse turn 1 whose device copy was evicted: its host pages are reloaded."""
     flush_when_idle(dd_server)
