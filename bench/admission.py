@@ -1,0 +1,131 @@
+"""Admission benchmark: long requests with a large ``max_tokens`` in one device KV budget (``dualdecoder``).
+
+Usage::
+
+    python -m bench.admission [--out bench/results/admission_cpu.json] [--requests 8]
+                              [--prompt-tokens 4200] [--max-tokens 2048] [--max-total-tokens 8400]
+                              [--seconds 150] [--sample-interval 2]
+
+SGLang admits a prefill only when its device pool would also hold what every running request may
+still generate (``min(max_tokens - generated, 4096)`` tokens each with ``ignore_eos``,
+``sglang/srt/managers/schedule_policy.py``). A ``DECODE_SPARSE`` request never holds more than its
+resident bound, and dd_sglang's admission hook (``patches/managers_schedule_policy.py``) reserves
+only what it can still add. This starts one ``dualdecoder`` server with a pool of
+``--max-total-tokens``, sends ``--requests`` distinct ~``--prompt-tokens`` passkey prompts at once
+(greedy, streamed, ``ignore_eos``, ``max_tokens`` = ``--max-tokens``), samples the sidecar every
+``--sample-interval`` s for ``--seconds`` s (or until every request decodes), then closes the
+streams (SGLang aborts the requests) and stops the server. Recorded: the timeline of requests in
+``DECODE_SPARSE``, the peak, and the seconds until all were decoding at once (null if never),
+whether the hook was registered in this checkout (``admission_hook``), and the machine.
+Results are JSON; nothing here is a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.machine import describe, machine_state, summary
+from bench.prompts import passkey_prompt
+from bench.server import launch_server, scrape
+
+SPARSE = 'dd_dualpath_requests{state="DECODE_SPARSE"}'
+
+
+def run(args) -> dict:
+    """Start the server, send the requests, sample, abort, stop; the JSON's figures (module docstring)."""
+    from transformers import AutoTokenizer
+
+    import patches
+    from dd_sglang.models.smollm2 import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_model(progress=False)))
+    prompts = [passkey_prompt(tok, args.prompt_tokens, (i + 0.5) / args.requests, 10000 + 7919 * i,
+                              header=f"Case {i}. ") for i in range(args.requests)]  # fmt: skip
+    log = Path(tempfile.mkdtemp(prefix="dd_admission_")) / "server.log"
+    srv = launch_server(log, args.max_total_tokens, ["--attention-backend", "dualdecoder"])
+    stop = threading.Event()
+
+    def stream(prompt: str) -> None:
+        body = {"model": "x", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=3600) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return
+        except httpx.HTTPError:
+            return
+
+    timeline: list[tuple[float, int]] = []
+    try:
+        srv.wait_ready(900)
+        workers = [threading.Thread(target=stream, args=(p,), daemon=True) for p, _ in prompts]
+        t0 = time.monotonic()
+        for w in workers:
+            w.start()
+        while time.monotonic() - t0 < args.seconds:
+            timeline.append((round(time.monotonic() - t0, 1), int(scrape(srv.metrics_url).get(SPARSE, 0))))
+            if timeline[-1][1] == args.requests:
+                break
+            time.sleep(args.sample_interval)
+        stop.set()
+        for w in workers:
+            w.join(60)
+    finally:
+        rc, alive = srv.stop()
+    if rc == 0 and not alive:
+        shutil.rmtree(log.parent, ignore_errors=True)
+    else:
+        print(f"server log kept in {log}", file=sys.stderr)
+    all_at = next((t for t, n in timeline if n == args.requests), None)
+    return {"admission_hook": "patches.managers_schedule_policy" in patches.MODULES,
+            "prompt_tokens": [n for _, n in prompts], "peak_decode_sparse": max(n for _, n in timeline),
+            "seconds_until_all_decode_sparse": all_at, "timeline": timeline,
+            "engine_start_seconds": round(srv.start_seconds, 1), "shutdown": {"exit_code": rc, "processes_left": alive}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--out", default="bench/results/admission_cpu.json")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target")
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--max-total-tokens", type=int, default=8400)
+    ap.add_argument("--seconds", type=float, default=150.0)
+    ap.add_argument("--sample-interval", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    for name, lo, hi in (("requests", 1, 64), ("max_tokens", 1, 65536), ("max_total_tokens", 256, 10**7)):
+        if not lo <= getattr(args, name) <= hi:
+            ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
+    if not 1 <= args.seconds <= 3600 or not 0.1 <= args.sample_interval <= 60:
+        ap.error("--seconds must be in [1, 3600] and --sample-interval in [0.1, 60]")
+    before = machine_state()
+    print(summary(before), file=sys.stderr)
+    out_fig = run(args)
+    result = {
+        "benchmark": "long requests with a large max_tokens in one device KV budget (dualdecoder, CPU)",
+        "command": "python -m bench.admission " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": describe(before, machine_state()),
+        "device_kv_budget_tokens": args.max_total_tokens, "requests": args.requests,
+        "max_tokens": args.max_tokens, **out_fig,
+    }  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"admission hook {result['admission_hook']}: peak {result['peak_decode_sparse']} of {args.requests} "
+          f"decoding sparsely at once, all at {result['seconds_until_all_decode_sparse']} s -> {out}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
