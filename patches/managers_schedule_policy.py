@@ -6,6 +6,11 @@
   ``--radix-cache-backend dualdecoder`` a ``DECODE_SPARSE`` request can add at most
   ``resident_bound`` minus what it holds (:meth:`SparseRuntime.decode_growth_bound`), so its
   reservation is capped there; every other request keeps SGLang's figure.
+* ``PrefillAdder._check_prefill_budget`` (AROUND): a request being admitted must fit with its
+  input plus ``min(max_new_tokens - generated, 4096)`` (``add_one_req``). One that goes sparse
+  after its prefill never holds more than its resident bound afterwards, so only that bound is
+  counted for its generation (:meth:`SparseRuntime.admission_new_tokens`); the budget's own
+  check then runs unchanged.
 """
 
 from __future__ import annotations
@@ -24,10 +29,25 @@ def PrefillAdder__get_running_request_total_token_offset(original, self, req):
     return offset if bound is None else min(offset, bound)
 
 
+def PrefillAdder__check_prefill_budget(original, self, req, *args, total_tokens, **kwargs):
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    from dd_sglang.kvcache import sparse_runtime
+
+    runtime = sparse_runtime.current()
+    if runtime is not None:
+        max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        cap = runtime.admission_new_tokens(req, max_new)
+        if cap is not None:
+            total_tokens -= max_new - cap
+    return original(self, req, *args, total_tokens=total_tokens, **kwargs)
+
+
 HOOKS = [
     Hook(
         f"{_MODULE}.PrefillAdder._get_running_request_total_token_offset",
         PrefillAdder__get_running_request_total_token_offset,
         "AROUND",
-    )
+    ),
+    Hook(f"{_MODULE}.PrefillAdder._check_prefill_budget", PrefillAdder__check_prefill_budget, "AROUND"),
 ]

@@ -502,3 +502,40 @@ def test_admission_hook_caps_only_sparse_requests():
     finally:
         sparse_runtime.set_current(None)
     assert hook(sglang, None, req) == 512 * 0.7  # no dualdecoder runtime in this process
+
+
+def test_admission_reserves_only_the_resident_bound_for_a_request_that_will_go_sparse():
+    """patches/managers_schedule_policy.py's second hook: the total a new request must fit shrinks by
+    SGLang's generation reservation minus the resident bound, for long requests only."""
+    from dd_sglang.kvcache import sparse_runtime
+    from patches.managers_schedule_policy import PrefillAdder__check_prefill_budget as hook
+
+    rt, *_ = setup()  # min_sparse_len 50, resident bound 31, host tier 2,000 tokens
+
+    def req(n, max_new=512, custom=None):
+        return SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[],
+                               sampling_params=SimpleNamespace(max_new_tokens=max_new, custom_params=custom))  # fmt: skip
+
+    assert rt.admission_new_tokens(req(100), 512) == 31
+    assert rt.admission_new_tokens(req(100), 20) == 20  # never more than SGLang's
+    assert rt.admission_new_tokens(req(40), 512) is None  # stays dense: too short
+    assert rt.admission_new_tokens(req(100, custom={"dd_sparse": False}), 512) is None
+    assert rt.admission_new_tokens(req(100, custom={"dd_top_k": -1}), 512) is None  # SGLang rejects it
+    assert rt.admission_new_tokens(req(1500), 512) is None  # the host tier cannot take 1,500 + 512
+    seen = {}
+
+    def sglang(adder, r, *, extend_input_len, total_tokens, swa_host_hit_length, chunk_limit):
+        seen["total"] = total_tokens
+        return True, chunk_limit
+
+    kw = dict(extend_input_len=100, swa_host_hit_length=0, chunk_limit=None)
+    sparse_runtime.set_current(rt)
+    try:
+        hook(sglang, None, req(100), total_tokens=100 + 512 + 1, **kw)
+        assert seen["total"] == 100 + 31 + 1
+        hook(sglang, None, req(40), total_tokens=40 + 512 + 1, **kw)
+        assert seen["total"] == 40 + 512 + 1
+    finally:
+        sparse_runtime.set_current(None)
+    hook(sglang, None, req(100), total_tokens=613, **kw)
+    assert seen["total"] == 613

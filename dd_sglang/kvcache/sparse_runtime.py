@@ -259,16 +259,47 @@ class SparseRuntime:
         st = self.requests.get(rid)
         if st is None or st.path.state is not S.DECODE_SPARSE or not st.released:
             return None
-        need = 0
+        if not self._host_takes(0):
+            return None
+        return max(0, self.params.resident_bound - st.device_tokens(self._kv_end(st)))
+
+    def admission_new_tokens(self, req, max_new: int) -> int | None:
+        """Device slots to reserve for a request being admitted, instead of SGLang's ``max_new``.
+
+        ``req``: SGLang's ``Req``; ``max_new``: the tokens SGLang reserves for its generation
+        (``min(max_new_tokens - generated, 4096)``, ``PrefillAdder.add_one_req``). A request whose
+        context reaches ``min_sparse_len`` goes sparse right after its prefill (before its second
+        token), and then never holds more than ``resident_bound`` slots: that bound is reserved.
+        None (SGLang's figure stands) for a request that stays dense (shorter, or
+        ``custom_params.dd_sparse`` false, or invalid overrides, which SGLang rejects anyway) and
+        when the host tier cannot take its whole context and generation beside the rest of every
+        sparse request's.
+        """
+        n = len(req.origin_input_ids) + len(req.output_ids)
+        try:
+            over = request_overrides(getattr(req.sampling_params, "custom_params", None), self.selectors,
+                                     self.speculators)  # fmt: skip
+        except ValueError:
+            return None
+        if n < self.params.min_sparse_len or not over.get("sparse", True):
+            return None
+        if not self._host_takes(n + max_new):
+            return None
+        return min(max_new, self.params.resident_bound)
+
+    def _host_takes(self, extra: int) -> bool:
+        """Whether the host tier (free slots plus finished entries it may evict) can take ``extra``
+        tokens more than the rest of every sparse request's generation (whole pages each). False
+        when a sparse request's ``max_new_tokens`` is unknown."""
+        page = self.params.page_size
+        need = -(-extra // page) * page
         for other in self.requests.values():
             if other.path.state is S.DECODE_SPARSE:
                 left = _tokens_left(other.req)
                 if left is None:
-                    return None
-                need += -(-left // self.params.page_size) * self.params.page_size
-        if need > self.host.available_size() + self.host_entry_tokens():
-            return None
-        return max(0, self.params.resident_bound - st.device_tokens(self._kv_end(st)))
+                    return False
+                need += -(-left // page) * page
+        return need <= self.host.available_size() + self.host_entry_tokens()
 
     def selector_aux_bytes(self) -> dict[str, int]:
         """Device bytes of selection state by selector (published by the attention backend)."""
