@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.capacity import launch_backend, stop_backend
 from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
-from bench.server import launch_server, scrape
+from bench.server import scrape
 
 SPARSE = 'dd_dualpath_requests{state="DECODE_SPARSE"}'
 
@@ -50,8 +49,7 @@ def run(args) -> dict:
     tok = AutoTokenizer.from_pretrained(str(prepare_model(progress=False)))
     prompts = [passkey_prompt(tok, args.prompt_tokens, (i + 0.5) / args.requests, 10000 + 7919 * i,
                               header=f"Case {i}. ") for i in range(args.requests)]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="dd_admission_")) / "server.log"
-    srv = launch_server(log, args.max_total_tokens, ["--attention-backend", "dualdecoder"])
+    srv, log = launch_backend("dualdecoder", args.max_total_tokens)
     stop = threading.Event()
 
     def stream(prompt: str) -> None:
@@ -81,16 +79,12 @@ def run(args) -> dict:
         for w in workers:
             w.join(60)
     finally:
-        rc, alive = srv.stop()
-    if rc == 0 and not alive:
-        shutil.rmtree(log.parent, ignore_errors=True)
-    else:
-        print(f"server log kept in {log}", file=sys.stderr)
+        shutdown = stop_backend("dualdecoder", srv, log)
     all_at = next((t for t, n in timeline if n == args.requests), None)
     return {"admission_hook": "patches.managers_schedule_policy" in patches.MODULES,
             "prompt_tokens": [n for _, n in prompts], "peak_decode_sparse": max(n for _, n in timeline),
             "seconds_until_all_decode_sparse": all_at, "timeline": timeline,
-            "engine_start_seconds": round(srv.start_seconds, 1), "shutdown": {"exit_code": rc, "processes_left": alive}}  # fmt: skip
+            "engine_start_seconds": round(srv.start_seconds, 1), "shutdown": shutdown}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=150.0)
     ap.add_argument("--sample-interval", type=float, default=2.0)
     args = ap.parse_args(argv)
-    for name, lo, hi in (("requests", 1, 64), ("max_tokens", 1, 65536), ("max_total_tokens", 256, 10**7)):
+    for name, lo, hi in (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("max_tokens", 1, 65536),
+                         ("max_total_tokens", 256, 10**7)):  # fmt: skip
         if not lo <= getattr(args, name) <= hi:
             ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
     if not 1 <= args.seconds <= 3600 or not 0.1 <= args.sample_interval <= 60:

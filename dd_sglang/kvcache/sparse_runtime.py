@@ -257,7 +257,7 @@ class SparseRuntime:
         cannot flush stops sliding and grows by a slot a step.
         """
         st = self.requests.get(rid)
-        if st is None or st.path.state is not S.DECODE_SPARSE or not st.released:
+        if st is None or st.path.state is not S.DECODE_SPARSE:
             return None
         if not self._host_takes(0):
             return None
