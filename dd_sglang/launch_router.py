@@ -232,20 +232,21 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    args, worker_argv = parse_router_args(list(sys.argv[1:] if argv is None else argv))
+def _workers(args, worker_argv: list[str]) -> list[Worker] | str:
+    """The workers the router fronts (``--worker-urls``, else ``--workers`` it starts), or the
+    error message for a bad flag: a worker flag the router assigns, flags with no worker to go to,
+    ``--workers`` outside 1..64, a port outside 1..65535, taken or given twice, or a ``--policy``
+    / ``--smg-arg`` smg's own parser refuses (its message is printed above ours)."""
     for flag in RESERVED_WORKER_FLAGS:
         if has_flag(worker_argv, flag):
-            return _fail(f"worker flag {flag} is assigned by the router; drop it (see --help)")
+            return f"worker flag {flag} is assigned by the router; drop it (see --help)"
     if args.worker_urls:
         if worker_argv:
-            return _fail(f"--worker-urls starts no worker; these flags have nowhere to go: {worker_argv}")
+            return f"--worker-urls starts no worker; these flags have nowhere to go: {worker_argv}"
         workers = [Worker(i, u.rstrip("/"), "") for i, u in enumerate(args.worker_urls)]
     else:
         if not 1 <= args.workers <= 64:
-            return _fail(f"--workers must be in 1..64, got {args.workers}")
+            return f"--workers must be in 1..64, got {args.workers}"
         workers = [
             Worker(
                 i,
@@ -259,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     try:  # smg's own parser checks --policy and every --smg-arg before any worker starts
         smg_parse_args(smg_command(args, [w.url for w in workers])[3:])
     except SystemExit:
-        return _fail("smg refused its flags (its message is above): check --policy and --smg-arg")
+        return "smg refused its flags (its message is above): check --policy and --smg-arg"
+    return _port_problem(args, workers) or workers
 
+
+def _port_problem(args, workers: list[Worker]) -> str | None:
+    """The first problem with the ports the router binds or gives its workers (out of
+    1..65535, the same port twice, or taken), None when there is none."""
     ports = [("--port", args.host, args.port), ("--router-metrics-port", args.host, args.router_metrics_port)]
     if not args.worker_urls:
         for w in workers:
@@ -271,12 +277,56 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict[int, str] = {}
     for name, host, port in ports:
         if not 1 <= port <= 65535:
-            return _fail(f"{name} must be in 1..65535, got {port}")
+            return f"{name} must be in 1..65535, got {port}"
         if port in seen:
-            return _fail(f"{name} {port} is also {seen[port]}")
+            return f"{name} {port} is also {seen[port]}"
         seen[port] = name
         if err := _port_error(host, port):
-            return _fail(f"{name}: {err}")
+            return f"{name}: {err}"
+    return None
+
+
+def _start_workers(args, workers: list[Worker], worker_argv: list[str]) -> list[subprocess.Popen]:
+    """Start one ``dd_sglang.launch_server`` per worker (none with ``--worker-urls``), each in its
+    own process group, on its assigned API and metrics ports; their processes."""
+    for w in workers if not args.worker_urls else []:
+        cmd = [
+            sys.executable, "-m", "dd_sglang.launch_server",
+            "--host", args.worker_host, "--port", str(args.worker_base_port + w.index),
+            "--metrics-host", args.worker_host, "--metrics-port", str(args.metrics_base_port + w.index),
+            *worker_argv,
+        ]  # fmt: skip
+        logger.info("starting worker %d: %s", w.index, " ".join(cmd))
+        w.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup)
+    return [w.proc for w in workers if w.proc is not None]
+
+
+def _supervise(gateway: subprocess.Popen, workers: list[Worker], stop: threading.Event) -> int:
+    """Wait for a signal (``stop``) or smg's exit (exit code 1); log each worker that exits on its
+    own once (the gateway routes around it). Returns the exit code: 0 after a signal."""
+    while not stop.wait(0.5):
+        if gateway.poll() is not None:
+            logger.error("smg exited with code %s; stopping the workers", gateway.returncode)
+            return 1
+        for w in workers:
+            if w.proc is not None and w.proc.poll() is not None and not w.exited_logged:
+                w.exited_logged = True
+                logger.warning(
+                    "worker %d (%s) exited with code %s; the gateway routes around it",
+                    w.index, w.url, w.proc.returncode,
+                )  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the router (module docstring); returns the exit code: 2 for a refused flag (before
+    anything starts), 1 when a worker never became healthy or smg exited, 0 after a signal."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args, worker_argv = parse_router_args(list(sys.argv[1:] if argv is None else argv))
+    workers = _workers(args, worker_argv)
+    if isinstance(workers, str):
+        return _fail(workers)
 
     stop = threading.Event()
     received: list[int] = []
@@ -289,16 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    for w in workers if not args.worker_urls else []:
-        cmd = [
-            sys.executable, "-m", "dd_sglang.launch_server",
-            "--host", args.worker_host, "--port", str(args.worker_base_port + w.index),
-            "--metrics-host", args.worker_host, "--metrics-port", str(args.metrics_base_port + w.index),
-            *worker_argv,
-        ]  # fmt: skip
-        logger.info("starting worker %d: %s", w.index, " ".join(cmd))
-        w.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup)
-    worker_procs = [w.proc for w in workers if w.proc is not None]
+    worker_procs = _start_workers(args, workers, worker_argv)
     if worker_procs:
         if err := _wait_healthy(workers, args.start_timeout_s, stop):
             logger.error("%s; stopping", err)
@@ -312,19 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(
         target=_announce_when_ready, args=(gateway_url, len(workers), stop, t_start), daemon=True
     ).start()
-    rc = 0
-    while not stop.wait(0.5):
-        if gateway.poll() is not None:
-            logger.error("smg exited with code %s; stopping the workers", gateway.returncode)
-            rc = 1
-            break
-        for w in workers:
-            if w.proc is not None and w.proc.poll() is not None and not w.exited_logged:
-                w.exited_logged = True
-                logger.warning(
-                    "worker %d (%s) exited with code %s; the gateway routes around it",
-                    w.index, w.url, w.proc.returncode,
-                )  # fmt: skip
+    rc = _supervise(gateway, workers, stop)
     if received:
         logger.info("signal %s: stopping smg and %d workers", received[0], len(worker_procs))
     _stop([gateway], grace=10.0)

@@ -464,19 +464,12 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     repair = [j for j in range(n_ahead) if rows[j].rejected and (rows[j].st.miss_policy or inp.miss_policy) == "repair"]
     budget = repair_budget(inp, [rows[j].st.top_k for j in repair], [rows[j].cand.numel() for j in repair])
     n_res = max(int(r.dev_pos.numel()) for r in rows)
-    r2t = inp.req_to_token
-    res_slots = _pad_stack([r2t[int(fb.req_pool_indices[r.batch_row])][r.dev_pos.to(r2t.device)].long().cpu()
-                            for r in rows], n_res)  # fmt: skip
     positions = qidx.shape[1]
     own = max(positions - 1, 1)
     cols = n_res + k + budget + own
     dev = fb.input_ids.device
     exact = [(j, _exact_cols(rows[j], n_res)) for j in range(n_ahead, n_fixed)]
     exact = [(j, c) for j, c in exact if c is not None]
-
-    def t(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=dev)
-
     return StepPlan(
         rows=torch.tensor([r.batch_row for r in rows], dtype=torch.int64),
         rids=tuple(r.st.rid for r in rows),
@@ -490,16 +483,12 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         blocks=blocks,
         k=k,
         n_res=n_res,
-        res_slots=res_slots.to(dev),
+        res_slots=_resident_slots(fb, rows, inp.req_to_token, n_res).to(dev),
         repair_rows=torch.tensor(repair, dtype=torch.int64),
         repair_budget=budget,
         positions=positions,
         qidx=qidx.to(dev),
-        spec_rows=t([j for j, _, _ in spec]),
-        spec_slots=t([s + 1 for _, s, _ in spec]),
-        spec_tokens=t([spec_tok[(j, s)] for j, s, _ in spec]),
-        spec_cols=t([cols - own + s for _, s, _ in spec]),
-        spec_states=tuple((rows[j].pred.spec, s) for j, s, _ in spec),
+        **_spec_fields(rows, spec, spec_tok, cols - own, dev),
         mask=_mask(rows, n_res, k, budget, set(repair), positions, cols).to(dev),
         top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
         sampled=torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64),
@@ -510,6 +499,32 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         exact_cols=tuple(c.to(dev) for _, c in exact),
         seeds=tuple(_seed(r) for r in rows) if inp.sampling == "coupled" else (),
     )
+
+
+def _resident_slots(fb, rows: list[_Row], req_to_token: torch.Tensor, n_res: int) -> torch.Tensor:
+    """``[len(rows), n_res]`` int64 on the CPU: each row's resident device slots (SGLang's
+    ``req_to_token`` at its ``dev_pos``), padded as :func:`_pad_stack` pads."""
+    r2t = req_to_token
+    return _pad_stack([r2t[int(fb.req_pool_indices[r.batch_row])][r.dev_pos.to(r2t.device)].long().cpu()
+                       for r in rows], n_res)  # fmt: skip
+
+
+def _spec_fields(rows: list[_Row], spec: list, spec_tok: dict, first_col: int, dev) -> dict:
+    """:class:`StepPlan`'s speculated-position fields from :func:`_ride`'s ``spec`` (``(row, s, _)``
+    per riding position) and ``spec_tok`` (its token by ``(row, s)``): int64 tensors on ``dev``
+    (``spec_rows``, ``spec_slots`` = ``s + 1``, ``spec_tokens``, ``spec_cols`` = ``first_col + s``,
+    the ring column after the row's own columns) and ``spec_states``."""
+
+    def t(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
+    return {
+        "spec_rows": t([j for j, _, _ in spec]),
+        "spec_slots": t([s + 1 for _, s, _ in spec]),
+        "spec_tokens": t([spec_tok[(j, s)] for j, s, _ in spec]),
+        "spec_cols": t([first_col + s for _, s, _ in spec]),
+        "spec_states": tuple((rows[j].pred.spec, s) for j, s, _ in spec),
+    }
 
 
 def repair_budget(inp: PlanInputs, top_ks: list[int], candidates: list[int]) -> int:

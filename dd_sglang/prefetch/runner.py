@@ -185,6 +185,27 @@ def _selection_queries(q3: torch.Tensor, query: torch.Tensor, hkv: int) -> torch
     return sel.reshape(sel.shape[0], -1, sel.shape[3])
 
 
+def _plan_inputs(params: PrefetchParams, req_to_token: torch.Tensor, store: PredictionStore, make_index,
+                 native: bool, seed: int) -> PlanInputs:  # fmt: skip
+    """The runner's :class:`PlanInputs`: one selector per name of :data:`SELECTORS` (the C kernel
+    where ``native``), one speculator per name of :data:`SPECULATORS`, the preset's miss, repair,
+    sampling and hit-rate settings, and a hit-rate sampling RNG seeded with ``seed``."""
+    return PlanInputs(
+        req_to_token=req_to_token,
+        selectors={name: make_selector(name, params.rerank, native) for name in SELECTORS},
+        speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
+        store=store,
+        make_index=make_index,
+        miss_policy=params.miss_policy,
+        repair_budget=params.repair_budget,
+        repair_fraction=params.repair_fraction,
+        hit_rate_sample=params.hit_rate_sample,
+        rng=random.Random(seed),
+        real_query=params.real_query,
+        sampling=params.sampling,
+    )
+
+
 class SparseStepRunner:
     """Plans and runs the sparse rows of every decode step (module docstring).
 
@@ -258,20 +279,7 @@ class SparseStepRunner:
         self._taken: dict = {}
         self.store = PredictionStore()
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
-        self.inputs = PlanInputs(
-            req_to_token=req_to_token,
-            selectors={name: make_selector(name, params.rerank, self.native) for name in SELECTORS},
-            speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
-            store=self.store,
-            make_index=self.index,
-            miss_policy=params.miss_policy,
-            repair_budget=params.repair_budget,
-            repair_fraction=params.repair_fraction,
-            hit_rate_sample=params.hit_rate_sample,
-            rng=random.Random(seed),
-            real_query=params.real_query,
-            sampling=params.sampling,
-        )
+        self.inputs = _plan_inputs(params, req_to_token, self.store, self.index, self.native, seed)
         self._exact = SELECTORS["oracle"]()
         self._repair_scorer = make_selector("spec_host", params.rerank, self.native)
 
