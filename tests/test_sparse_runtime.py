@@ -298,7 +298,10 @@ def test_request_overrides_are_validated_with_the_field_named():
     for bad, needle in [({"dd_top_k": 0}, "dd_top_k must be an integer in [1, 1000000], got 0"),
                         ({"dd_top_k": True}, "dd_top_k"), ({"dd_top_k": 2.5}, "dd_top_k"),
                         ({"dd_selector": "x"}, "dd_selector must be one of ['oracle', 'recency']"),
-                        ({"dd_sparse": "no"}, "dd_sparse must be true or false")]:  # fmt: skip
+                        ({"dd_sparse": "no"}, "dd_sparse must be true or false"),
+                        ({"DD_TOP_K": 1}, "custom_params.DD_TOP_K is not a dd_sglang override (keys are lower case)"),
+                        ('{"dd_top_k": 5}', "custom_params must be a JSON object"),
+                        ([1], "custom_params must be a JSON object")]:  # fmt: skip
         with pytest.raises(ValueError) as e:
             request_overrides(bad, sel)
         assert needle in str(e.value)

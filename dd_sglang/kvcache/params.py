@@ -78,23 +78,31 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
     on the dense path whatever its length (an exact answer, or a dense reference beside sparse ones).
 
     Args:
-        custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None).
+        custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None; anything else
+            is refused: ``/generate`` passes any JSON value through).
         selectors: the allowed selector names.
         speculators: the allowed speculator names.
 
     Raises:
-        ValueError: an unknown ``dd_`` key (a typo would otherwise be ignored), or an override
+        ValueError: ``custom_params`` not a dict, a ``dd_`` key in any case that is not one of
+            the overrides (a typo would otherwise be ignored), or an override
             has the wrong type or is out of range; the message names
             the field and the allowed values. SGLang turns it into an HTTP 400 before the
             request is queued (``patches/sampling_sampling_params.py``).
     """
     out: dict = {}
-    if not isinstance(custom_params, dict):
+    if custom_params is None:
         return out
+    if not isinstance(custom_params, dict):  # /generate takes any JSON here; a string would drop every override
+        raise ValueError(
+            f"custom_params must be a JSON object such as {{\"{OVERRIDE_TOP_K}\": 256}}, got {type(custom_params).__name__}"
+        )
     known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE)
     for key in custom_params:
-        if isinstance(key, str) and key.startswith("dd_") and key not in known:
-            raise ValueError(f"custom_params.{key} is not a dd_sglang override; known: {list(known)}")
+        if isinstance(key, str) and key.lower().startswith("dd_") and key not in known:
+            raise ValueError(
+                f"custom_params.{key} is not a dd_sglang override (keys are lower case); known: {list(known)}"
+            )
     if OVERRIDE_TOP_K in custom_params:
         v = custom_params[OVERRIDE_TOP_K]
         lo, hi = TOP_K_RANGE
