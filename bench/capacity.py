@@ -109,11 +109,12 @@ def backend_spec(spec: str) -> tuple[str, str, bool]:
     return backend, selector, bool(room)
 
 
-def launch_backend(backend: str, budget: int):
+def launch_backend(backend: str, budget: int, env: dict[str, str] | None = None):
     """Launch a server with ``--attention-backend backend`` and a device KV pool of ``budget``
-    tokens, its log in a fresh temporary folder, not waiting for it; returns ``(server, log path)``."""
+    tokens, its log in a fresh temporary folder, not waiting for it; returns ``(server, log path)``.
+    ``env``: variables added to the launcher's environment (:func:`bench.server.launch_server`)."""
     log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
-    return launch_server(log, budget, ["--attention-backend", backend]), log
+    return launch_server(log, budget, ["--attention-backend", backend], env=env), log
 
 
 def stop_backend(spec: str, srv, log: Path) -> dict:

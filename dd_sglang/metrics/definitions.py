@@ -85,7 +85,8 @@ DUALPATH_REQUESTS = Gauge(
 )
 DUALPATH_TRANSITIONS = Counter(
     "dd_dualpath_transitions",
-    "DualPath state transitions of requests, by source and destination state.",
+    "DualPath state transitions of requests, by source and destination state. A request SGLang retracts "
+    "(device pool full) counts as `to=FINISHED` and starts again, as a new request, when it is prefilled anew.",
     ["from", "to"],
 )
 SPARSE_DECODE_ROWS = Counter(
