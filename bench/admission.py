@@ -22,7 +22,6 @@ Results are JSON; nothing here is a pass/fail test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -32,7 +31,8 @@ from pathlib import Path
 import httpx
 
 from bench.capacity import launch_backend, stop_backend
-from bench.machine import describe, machine_state, summary
+from bench.client import check_ranges, long_request_parser
+from bench.machine import measured
 from bench.prompts import passkey_prompt
 from bench.server import scrape
 
@@ -88,32 +88,19 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--out", default="bench/results/admission_cpu.json")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target")
+    ap = long_request_parser("python -m bench.admission", __doc__, "bench/results/admission_cpu.json", 8, 4200)
     ap.add_argument("--max-tokens", type=int, default=2048)
-    ap.add_argument("--max-total-tokens", type=int, default=8400)
     ap.add_argument("--seconds", type=float, default=150.0)
     ap.add_argument("--sample-interval", type=float, default=2.0)
     args = ap.parse_args(argv)
-    for name, lo, hi in (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("max_tokens", 1, 65536),
-                         ("max_total_tokens", 256, 10**7)):  # fmt: skip
-        if not lo <= getattr(args, name) <= hi:
-            ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
+    check_ranges(ap, args, (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("max_tokens", 1, 65536),
+                            ("max_total_tokens", 256, 10**7)))  # fmt: skip
     if not 1 <= args.seconds <= 3600 or not 0.1 <= args.sample_interval <= 60:
         ap.error("--seconds must be in [1, 3600] and --sample-interval in [0.1, 60]")
-    before = machine_state()
-    print(summary(before), file=sys.stderr)
-    out_fig = run(args)
-    result = {
-        "benchmark": "long requests with a large max_tokens in one device KV budget (dualdecoder, CPU)",
-        "command": "python -m bench.admission " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": describe(before, machine_state()),
-        "device_kv_budget_tokens": args.max_total_tokens, "requests": args.requests,
-        "max_tokens": args.max_tokens, **out_fig,
-    }  # fmt: skip
+    result = measured("long requests with a large max_tokens in one device KV budget (dualdecoder, CPU)",
+                      "python -m bench.admission " + " ".join(sys.argv[1:] if argv is None else argv),
+                      lambda: {"device_kv_budget_tokens": args.max_total_tokens, "requests": args.requests,
+                               "max_tokens": args.max_tokens, **run(args)})  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

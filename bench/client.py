@@ -225,3 +225,26 @@ def write_result(result: dict, path: str | Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"-> {out}")
+
+
+def check_ranges(ap, args, ranges: tuple[tuple[str, float, float], ...]) -> None:
+    """Stop with ``ap.error`` (exit code 2) naming the first ``--flag`` of ``ranges`` (``(dest, lo, hi)``,
+    inclusive) whose value in ``args`` lies outside ``[lo, hi]``."""
+    for name, lo, hi in ranges:
+        if not lo <= getattr(args, name) <= hi:
+            ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
+
+
+def long_request_parser(prog: str, doc: str, out: str, requests: int, prompt_tokens: int):
+    """An ``argparse.ArgumentParser`` for a bench that sends long passkey requests to one server, with
+    the flags such benches share: ``--out`` (JSON path), ``--requests``, ``--prompt-tokens``
+    (:func:`bench.prompts.passkey_prompt`'s size target) and ``--max-total-tokens`` (device KV pool,
+    tokens, default 8,400), defaults as given; ``doc`` (the module docstring) is its description."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--requests", type=int, default=requests)
+    ap.add_argument("--prompt-tokens", type=int, default=prompt_tokens, help="passkey_prompt size target")
+    ap.add_argument("--max-total-tokens", type=int, default=8400, help="device KV pool (tokens)")
+    return ap

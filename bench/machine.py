@@ -89,3 +89,15 @@ def summary(state: dict) -> str:
     return (f"machine state ({cpu_model() or 'CPU model unknown'}, bf16 ISA: "
             f"{'/'.join(bf16_isa()) or 'none'}): one SDPA decode call over {PROBE_KEYS} keys {ms['bfloat16']} ms bfloat16, "
             f"{ms['float32']} ms float32 ({state['intra_op_threads']} threads)")  # fmt: skip
+
+
+def measured(benchmark: str, command: str, fn) -> dict:
+    """Run ``fn()`` (a benchmark's measurement, returning a dict of its figures) between two
+    :func:`machine_state` probes (the first one logged to stderr); returns the benchmark JSON's head
+    ``{"benchmark", "command", "machine": describe(before, after)}`` followed by ``fn``'s figures."""
+    import sys
+
+    before = machine_state()
+    print(summary(before), file=sys.stderr)
+    fig = fn()
+    return {"benchmark": benchmark, "command": command, "machine": describe(before, machine_state()), **fig}

@@ -22,18 +22,16 @@ nothing here is a timed test.
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
 from bench.capacity import launch_backend, stop_backend
-from bench.machine import describe, machine_state, summary
+from bench.client import check_ranges, long_request_parser, write_result
+from bench.machine import measured
 from bench.prompts import passkey_prompt
 from bench.server import scrape
 
@@ -101,33 +99,19 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.retraction", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--out", default="bench/results/retraction_cpu.json")
-    ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument("--prompt-tokens", type=int, default=2000, help="passkey_prompt size target")
+    ap = long_request_parser("python -m bench.retraction", __doc__, "bench/results/retraction_cpu.json", 3, 2000)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--interval", type=int, default=3, help="SGLANG_TEST_RETRACT_INTERVAL (forward passes)")
-    ap.add_argument("--max-total-tokens", type=int, default=8400)
     args = ap.parse_args(argv)
-    for name, lo, hi in (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("new_tokens", 1, 65536),
-                         ("interval", 1, 10**6), ("max_total_tokens", 256, 10**7)):  # fmt: skip
-        if not lo <= getattr(args, name) <= hi:
-            ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
-    before = machine_state()
-    print(summary(before), file=sys.stderr)
-    fig = run(args)
-    result = {
-        "benchmark": "SGLang's test retraction with sparse requests decoding (dualdecoder, CPU)",
-        "command": "python -m bench.retraction " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": describe(before, machine_state()),
-        "requests": args.requests, "new_tokens": args.new_tokens, "interval": args.interval, **fig,
-    }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    check_ranges(ap, args, (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("new_tokens", 1, 65536),
+                            ("interval", 1, 10**6), ("max_total_tokens", 256, 10**7)))  # fmt: skip
+    fig = measured("SGLang's test retraction with sparse requests decoding (dualdecoder, CPU)",
+                   "python -m bench.retraction " + " ".join(sys.argv[1:] if argv is None else argv),
+                   lambda: {"requests": args.requests, "new_tokens": args.new_tokens, "interval": args.interval,
+                            **run(args)})  # fmt: skip
+    write_result(fig, args.out)
     print(f"ok {fig['ok']}: {fig['retractions_logged']} retractions, {fig['passkeys_found']}/{args.requests} "
-          f"passkeys, idle {fig['idle_after']} -> {out}")  # fmt: skip
+          f"passkeys, idle {fig['idle_after']}")  # fmt: skip
     return 0 if fig["ok"] else 1
 
 
