@@ -22,16 +22,14 @@ Results are JSON; nothing here is a pass/fail test.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
 from bench.capacity import launch_backend, stop_backend
-from bench.client import check_ranges, long_request_parser
+from bench.client import check_ranges, long_request_parser, write_result
 from bench.machine import measured
 from bench.prompts import passkey_prompt
 from bench.server import scrape
@@ -94,18 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-interval", type=float, default=2.0)
     args = ap.parse_args(argv)
     check_ranges(ap, args, (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("max_tokens", 1, 65536),
-                            ("max_total_tokens", 256, 10**7)))  # fmt: skip
-    if not 1 <= args.seconds <= 3600 or not 0.1 <= args.sample_interval <= 60:
-        ap.error("--seconds must be in [1, 3600] and --sample-interval in [0.1, 60]")
+                            ("max_total_tokens", 256, 10**7), ("seconds", 1, 3600),
+                            ("sample_interval", 0.1, 60)))  # fmt: skip
     result = measured("long requests with a large max_tokens in one device KV budget (dualdecoder, CPU)",
                       "python -m bench.admission " + " ".join(sys.argv[1:] if argv is None else argv),
                       lambda: {"device_kv_budget_tokens": args.max_total_tokens, "requests": args.requests,
                                "max_tokens": args.max_tokens, **run(args)})  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, args.out)
     print(f"admission hook {result['admission_hook']}: peak {result['peak_decode_sparse']} of {args.requests} "
-          f"decoding sparsely at once, all at {result['seconds_until_all_decode_sparse']} s -> {out}")  # fmt: skip
+          f"decoding sparsely at once, all at {result['seconds_until_all_decode_sparse']} s")  # fmt: skip
     return 0
 
 

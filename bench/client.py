@@ -9,6 +9,7 @@ the test session's.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import time
@@ -240,8 +241,6 @@ def long_request_parser(prog: str, doc: str, out: str, requests: int, prompt_tok
     the flags such benches share: ``--out`` (JSON path), ``--requests``, ``--prompt-tokens``
     (:func:`bench.prompts.passkey_prompt`'s size target) and ``--max-total-tokens`` (device KV pool,
     tokens, default 8,400), defaults as given; ``doc`` (the module docstring) is its description."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=out)
     ap.add_argument("--requests", type=int, default=requests)

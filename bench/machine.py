@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -95,8 +96,6 @@ def measured(benchmark: str, command: str, fn) -> dict:
     """Run ``fn()`` (a benchmark's measurement, returning a dict of its figures) between two
     :func:`machine_state` probes (the first one logged to stderr); returns the benchmark JSON's head
     ``{"benchmark", "command", "machine": describe(before, after)}`` followed by ``fn``'s figures."""
-    import sys
-
     before = machine_state()
     print(summary(before), file=sys.stderr)
     fig = fn()
