@@ -9,6 +9,9 @@ ratio is taken per round. SmolLM2-135M's geometry (30 layers, 3 KV heads x 3 que
 random keys (seed 0), each request's positions on consecutive host slots as the server lays them
 out, ``k`` 256 and ``rerank`` 2 (the CPU preset), 10 layers a call (the default's chunk).
 
+With ``--baseline-rev REV`` the two timed variants are instead this checkout's kernel and REV's
+``cpu_select.c`` built with the same flags, both on huge pages (``baseline_over_current``).
+
 Run: ``python -m bench.select_kernel --out bench/results/select_kernel_cpu.json`` (about 1 min;
 on a quiet machine: nothing else running).
 """
@@ -18,12 +21,16 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from bench.client import write_result
+from bench.server import ROOT
 from dd_sglang.kernels import native
 from dd_sglang.kvcache.host_memory import host_zeros, transparent_huge_pages
 from dd_sglang.prefetch.selectors import SpecHostSelector
@@ -58,6 +65,18 @@ def _step_seconds(buf: dict, rows: int, tokens: int, k: int, m: int, calls: int)
     return (time.perf_counter() - t0) / calls * len(chunks)
 
 
+def _baseline_library(rev: str, ap) -> Path:
+    """The C kernel built from ``cpu_select.c`` as of git revision ``rev`` (same flags, the same
+    build cache); ``ap.error`` naming ``--baseline-rev`` when git cannot show that file there."""
+    proc = subprocess.run(["git", "show", f"{rev}:dd_sglang/kernels/cpu_select.c"], cwd=ROOT, capture_output=True)
+    if proc.returncode != 0:
+        ap.error(f"--baseline-rev: no dd_sglang/kernels/cpu_select.c at {rev!r} ({proc.stderr.decode().strip()})")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "cpu_select.c"
+        src.write_bytes(proc.stdout)
+        return native.build(source=src)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.select_kernel", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -67,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=30, help="kernel calls per round and layout")
     ap.add_argument("--k", type=int, default=256)
     ap.add_argument("--rerank", type=float, default=2.0)
+    ap.add_argument("--baseline-rev", default=None, metavar="REV",
+                    help="time REV's cpu_select.c (a git revision) against this checkout's, both on huge pages, "
+                         "instead of huge against base pages")  # fmt: skip
     args = ap.parse_args(argv)
     if not native.available():
         print(f"the C kernel is not available: {native.unavailable_reason()}", file=sys.stderr)
@@ -80,32 +102,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.k < 1 or args.rerank < 1:
         ap.error(f"--k and --rerank must be >= 1, got {args.k} and {args.rerank}")
     m = SpecHostSelector(args.rerank)._m(args.k)  # the candidates the server re-ranks
+    current = native.build()
+    baseline = _baseline_library(args.baseline_rev, ap) if args.baseline_rev else None
     cells = []
     for tokens, rows in shapes:
-        bufs = {"huge_pages": _buffers(rows, tokens, True), "base_pages": _buffers(rows, tokens, False)}
-        for buf in bufs.values():  # warm: first touch and the kernel's first call
+        huge = _buffers(rows, tokens, True)
+        if baseline is None:  # name: (buffers, library); the ratio is the second over the first
+            variants = {"huge_pages": (huge, current), "base_pages": (_buffers(rows, tokens, False), current)}
+        else:
+            variants = {"current": (huge, current), "baseline": (huge, baseline)}
+        for buf, lib in variants.values():  # warm: first touch and the kernel's first call
+            native.load(lib)
             _step_seconds(buf, rows, tokens, args.k, m, 3)
-        per = {name: [] for name in bufs}
+        per = {name: [] for name in variants}
         for r in range(args.rounds):
-            order = list(bufs) if r % 2 == 0 else list(reversed(bufs))
+            order = list(variants) if r % 2 == 0 else list(reversed(variants))
             for name in order:
-                per[name].append(_step_seconds(bufs[name], rows, tokens, args.k, m, args.calls))
-        ratios = [b / h for b, h in zip(per["base_pages"], per["huge_pages"], strict=True)]
+                buf, lib = variants[name]
+                native.load(lib)
+                per[name].append(_step_seconds(buf, rows, tokens, args.k, m, args.calls))
+        first, second = variants
+        ratios = [b / a for a, b in zip(per[first], per[second], strict=True)]
+        key = "base_over_huge" if baseline is None else "baseline_over_current"
         cells.append({
             "tokens": tokens, "rows": rows,
             "step_ms": {name: round(statistics.median(v) * 1e3, 2) for name, v in per.items()},
             "rounds_ms": {name: [round(x * 1e3, 2) for x in v] for name, v in per.items()},
-            "base_over_huge": round(statistics.median(ratios), 3),
-            "base_over_huge_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            key: round(statistics.median(ratios), 3),
+            f"{key}_range": [round(min(ratios), 3), round(max(ratios), 3)],
         })  # fmt: skip
         print(cells[-1])
-        del bufs
+        del variants, huge
+    native.load(current)
     write_result({
         "bench": "select_kernel", "command": "python -m bench.select_kernel " + " ".join(argv or sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "transparent_huge_pages": transparent_huge_pages()},
         "settings": {"layers": LAYERS, "kv_heads": HKV, "group": GROUP, "head_dim": HEAD_DIM, "chunk": CHUNK,
-                     "k": args.k, "m": m, "rounds": args.rounds, "calls": args.calls},
+                     "k": args.k, "m": m, "rounds": args.rounds, "calls": args.calls,
+                     "baseline_rev": args.baseline_rev},
         "cells": cells,
     }, args.out)  # fmt: skip
     return 0

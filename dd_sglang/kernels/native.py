@@ -80,11 +80,12 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build(cache: Path | None = None, march: str = "native") -> Path:
+def build(cache: Path | None = None, march: str = "native", source: Path = SOURCE) -> Path:
     """Compile ``cpu_select.c`` (once per source, flags and CPU) and return the library's path.
 
     ``march``: the ``-march`` target (tests build ``haswell`` and ``x86-64`` too, to check the
-    AVX2 and plain-C paths a machine without AVX-512 runs).
+    AVX2 and plain-C paths a machine without AVX-512 runs). ``source``: another version of the
+    file (``bench.select_kernel --baseline-rev`` times an earlier commit's against this one).
 
     Raises:
         NativeUnavailable: no C compiler (``$CC`` or ``cc``), or the compiler failed (its
@@ -93,7 +94,7 @@ def build(cache: Path | None = None, march: str = "native") -> Path:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise NativeUnavailable(f"no C compiler ({cc!r} not on PATH)")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
     key = hashlib.sha256(src + " ".join(flags).encode() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
     out_dir = cache or _cache_dir()
@@ -107,7 +108,7 @@ def build(cache: Path | None = None, march: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         if proc.returncode != 0:
             raise NativeUnavailable(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
