@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 #: Folder of the shipped presets (repository root / configs).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "cpu-smollm2"
 
 SGLangScalar = str | int | float | bool
+#: Critical-set selectors (``dd_sglang.prefetch.selectors.SELECTORS``; ``tests/test_config.py`` checks they agree).
+SelectorName = Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency", "host_sync"]
 
 
 class ConfigError(ValueError):
@@ -102,7 +104,12 @@ class SparseSection(_Strict):
     the device, current query) or ``recency`` (the previous step's exact top-k,
     fixed one step ahead). A request may
     override ``top_k`` and ``selector`` through ``custom_params``
-    (``dd_top_k``, ``dd_selector``).
+    (``dd_top_k``, ``dd_selector``), within ``request_max_top_k`` (None: up to 1,000,000) and
+    ``request_selectors`` (None: every selector; else these and ``selector``). Both bound what one
+    request may make the server hold outside SGLang's KV pool sizing: its critical-set buffers grow
+    with its ``top_k`` (``[rows, KV heads, top_k, head_dim]`` K and V per layer buffer), and
+    ``quest_device``'s index, once any request chooses it, holds 1/16 of ``host_tier_bytes`` on
+    the device for the server's life (HBM on a GPU).
     """
 
     min_sparse_len: int = Field(1024, ge=1, le=10_000_000)
@@ -113,7 +120,9 @@ class SparseSection(_Strict):
     keep_signal: Literal["key_norm"] = "key_norm"
     page_size: int = Field(64, ge=1, le=65_536)
     host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
-    selector: Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency", "host_sync"] = "spec_host"
+    selector: SelectorName = "spec_host"
+    request_selectors: list[SelectorName] | None = None
+    request_max_top_k: int | None = Field(None, ge=1, le=1_000_000)
 
     @field_validator("page_size")
     @classmethod
@@ -121,6 +130,22 @@ class SparseSection(_Strict):
         if v % 16:
             raise ValueError("must be a multiple of 16 (the host-tier key index summarises 16-token blocks)")
         return v
+
+    @field_validator("request_selectors")
+    @classmethod
+    def _no_repeats(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("names a selector twice")
+        return v
+
+    @model_validator(mode="after")
+    def _request_cap_covers_top_k(self) -> SparseSection:
+        if self.request_max_top_k is not None and self.request_max_top_k < self.top_k:
+            raise ValueError(
+                f"sparse.request_max_top_k ({self.request_max_top_k}) is below sparse.top_k ({self.top_k}): "
+                "a request could not ask for the server's own top_k"
+            )
+        return self
 
 
 class PrefetchSection(_Strict):

@@ -82,16 +82,17 @@ def create_dualdecoder_radix_cache(ctx):
     sparse = current_config().sparse.model_dump()
     total = sparse["host_tier_bytes"]
     sparse["host_tier_bytes"] = host_tier_share(total, ranks)
+    params = SparseParams(**sparse)
     try:
         runtime = sparse_runtime.SparseRuntime(
-            SparseParams(**sparse),
+            params,
             allocator.get_kvcache(),
             allocator,
             ctx.params.req_to_token_pool.req_to_token,
             on_transition=_count_transition if ranks.primary else None,
             on_rebuild=_count_rebuild if ranks.primary else None,
             on_unpin=_count_unpin if ranks.primary else None,
-            selectors=tuple(SELECTORS),
+            selectors=params.request_selector_names(tuple(SELECTORS)),
             speculators=tuple(SPECULATORS),
             speculator=current_config().prefetch.speculator,
         )

@@ -41,6 +41,11 @@ def test_every_shipped_preset_validates():
         ({"sparse": {"host_tier_bytes": 1000}}, ["sparse.host_tier_bytes", "ge 1048576"]),
         ({"sparse": {"n_recent": 0}}, ["sparse.n_recent", "ge 1"]),
         ({"sparse": {"keep_signal": "attention"}}, ["sparse.keep_signal", "key_norm"]),
+        ({"sparse": {"request_selectors": ["psychic"]}}, ["sparse.request_selectors.0", "'quest_device'", "psychic"]),
+        ({"sparse": {"request_selectors": ["oracle", "oracle"]}}, ["sparse.request_selectors", "names a selector twice"]),
+        ({"sparse": {"request_max_top_k": 0}}, ["sparse.request_max_top_k", "ge 1"]),
+        ({"sparse": {"top_k": 512, "request_max_top_k": 256}},
+         ["sparse.request_max_top_k (256) is below sparse.top_k (512)"]),
     ],
 )
 def test_bad_values_name_the_key_and_range(data, needles):
@@ -48,6 +53,16 @@ def test_bad_values_name_the_key_and_range(data, needles):
         parse_config(data, "test")
     for n in needles:
         assert n in str(e.value)
+
+
+def test_the_schemas_selector_names_are_the_registrys():
+    """``sparse.selector`` / ``sparse.request_selectors`` accept exactly the selectors that exist."""
+    from typing import get_args
+
+    from dd_sglang.config import SelectorName
+    from dd_sglang.prefetch.selectors import SELECTORS
+
+    assert sorted(get_args(SelectorName)) == sorted(SELECTORS)
 
 
 def test_top_level_must_be_mapping():
@@ -107,6 +122,7 @@ def test_dd_flags_are_split_from_sglang_flags():
     [
         ("server:\n  port: 0\n", "server.port"),
         ("server:\n  maxtokens: 5\n", "unknown key 'server.maxtokens'"),
+        ("sparse:\n  request_max_top_k: 100\n", "sparse.request_max_top_k (100) is below sparse.top_k (256)"),
     ],
 )
 def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, needle):

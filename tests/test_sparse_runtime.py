@@ -307,6 +307,41 @@ def test_request_overrides_are_validated_with_the_field_named():
         assert needle in str(e.value)
 
 
+def test_the_presets_request_limits_bound_the_overrides():
+    """``sparse.request_selectors`` / ``request_max_top_k``: the names a request may give are the listed
+    ones plus the preset's own selector (in the registry's order); the largest ``dd_top_k`` is the cap."""
+    from dd_sglang.kvcache.params import request_overrides
+    from dd_sglang.prefetch.selectors import SELECTORS
+
+    known = tuple(SELECTORS)
+    assert params().request_selector_names(known) == known and params().request_top_k_max == 1_000_000
+    p = params(selector="spec_host", request_selectors=["recency", "oracle"], request_max_top_k=512)
+    assert p.request_selector_names(known) == ("spec_host", "oracle", "recency")
+    assert params(request_selectors=[]).request_selector_names(known) == ("oracle",)
+    sel = p.request_selector_names(known)
+    assert request_overrides({"dd_top_k": 512, "dd_selector": "oracle"}, sel, (), p.request_top_k_max) == {
+        "top_k": 512, "selector": "oracle"}  # fmt: skip
+    for bad, needle in [({"dd_top_k": 513}, "custom_params.dd_top_k must be an integer in [1, 512], got 513"),
+                        ({"dd_selector": "quest_device"}, "custom_params.dd_selector must be one of "
+                         "['spec_host', 'oracle', 'recency'] on this server, got 'quest_device'")]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            request_overrides(bad, sel, (), p.request_top_k_max)
+        assert needle in str(e.value)
+
+
+def test_the_runtime_holds_a_request_to_the_presets_top_k_cap():
+    """The scheduler's runtime holds the same cap as the tokenizer manager, which refuses such a
+    request first (HTTP 400): one over it reaching the runtime anyway is refused there too."""
+    rt, pool, alloc, r2t, req, tree, *_ = setup(params(request_max_top_k=16))
+    req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 17}, max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"dd_top_k must be an integer in \[1, 16\], got 17"):
+        rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert rt.requests == {}
+    req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 16}, max_new_tokens=8)
+    rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+    assert rt.requests["r1"].top_k == 16
+
+
 def test_overrides_reach_the_request_state():
     rt, pool, alloc, r2t, req, tree, *_ = setup()
     req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 17})

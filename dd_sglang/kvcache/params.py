@@ -43,6 +43,10 @@ class SparseParams:
             flushed to the host tier at a time.
         host_tier_bytes: host-tier capacity (K+V of all layers).
         selector: critical-set selector name (``dd_sglang.prefetch.selectors``).
+        request_selectors: selector names a request may choose with ``custom_params.dd_selector``
+            besides ``selector``; None: every one (:meth:`request_selector_names`).
+        request_max_top_k: largest ``custom_params.dd_top_k`` a request may ask; None: the
+            schema's 1,000,000 (:attr:`request_top_k_max`).
     """
 
     min_sparse_len: int
@@ -54,11 +58,26 @@ class SparseParams:
     page_size: int
     host_tier_bytes: int
     selector: str
+    request_selectors: tuple[str, ...] | list[str] | None = None
+    request_max_top_k: int | None = None
 
     @property
     def resident_bound(self) -> int:
         """Most device slots a sparse request holds: sink + keep + window + one page pending flush."""
         return self.n_sink + self.n_keep + self.n_recent + self.page_size
+
+    def request_selector_names(self, known: tuple[str, ...]) -> tuple[str, ...]:
+        """The names of ``known`` a request may give as ``custom_params.dd_selector``: every one
+        where ``request_selectors`` is None, else those in it and ``selector`` (``known``'s order)."""
+        if self.request_selectors is None:
+            return known
+        allowed = {*self.request_selectors, self.selector}
+        return tuple(name for name in known if name in allowed)
+
+    @property
+    def request_top_k_max(self) -> int:
+        """Largest ``custom_params.dd_top_k`` a request may ask (tokens per layer and KV head)."""
+        return TOP_K_RANGE[1] if self.request_max_top_k is None else self.request_max_top_k
 
 
 #: Per-request overrides a client may put in ``sampling_params.custom_params``
@@ -72,7 +91,9 @@ MISS_POLICIES = ("use_prefetched", "repair")
 TOP_K_RANGE = (1, 1_000_000)
 
 
-def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tuple[str, ...] = ()) -> dict:
+def request_overrides(
+    custom_params, selectors: tuple[str, ...], speculators: tuple[str, ...] = (), max_top_k: int = TOP_K_RANGE[1]
+) -> dict:
     """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
     "miss_policy": str, "sparse": bool}`` (keys present only). ``dd_sparse: false`` keeps a request
     on the dense path whatever its length (an exact answer, or a dense reference beside sparse ones).
@@ -80,8 +101,9 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
     Args:
         custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None; anything else
             is refused: ``/generate`` passes any JSON value through).
-        selectors: the allowed selector names.
+        selectors: the allowed selector names (:meth:`SparseParams.request_selector_names`).
         speculators: the allowed speculator names.
+        max_top_k: the largest ``dd_top_k`` allowed (:attr:`SparseParams.request_top_k_max`).
 
     Raises:
         ValueError: ``custom_params`` not a dict, a ``dd_`` key in any case that is not one of
@@ -105,7 +127,7 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
             )
     if OVERRIDE_TOP_K in custom_params:
         v = custom_params[OVERRIDE_TOP_K]
-        lo, hi = TOP_K_RANGE
+        lo, hi = TOP_K_RANGE[0], max_top_k
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"custom_params.{OVERRIDE_TOP_K} must be an integer in [{lo}, {hi}], got {v!r}")
         out["top_k"] = v
@@ -122,6 +144,6 @@ def request_overrides(custom_params, selectors: tuple[str, ...], speculators: tu
         if key in custom_params:
             v = custom_params[key]
             if v not in allowed:
-                raise ValueError(f"custom_params.{key} must be one of {list(allowed)}, got {v!r}")
+                raise ValueError(f"custom_params.{key} must be one of {list(allowed)} on this server, got {v!r}")
             out[field] = v
     return out

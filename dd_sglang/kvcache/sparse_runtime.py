@@ -278,7 +278,7 @@ class SparseRuntime:
         n = len(req.origin_input_ids) + len(req.output_ids)
         try:
             over = request_overrides(getattr(req.sampling_params, "custom_params", None), self.selectors,
-                                     self.speculators)  # fmt: skip
+                                     self.speculators, self.params.request_top_k_max)  # fmt: skip
         except ValueError:
             return None
         if n < self.params.min_sparse_len or not over.get("sparse", True):
@@ -319,7 +319,7 @@ class SparseRuntime:
         if st is None:
             n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
             custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-            over = request_overrides(custom, self.selectors, self.speculators)
+            over = request_overrides(custom, self.selectors, self.speculators, self.params.request_top_k_max)
             # dd_sparse false: no context is long enough to leave the dense path.
             min_len = self.params.min_sparse_len if over.get("sparse", True) else DENSE_ONLY
             path = DualPath(req.rid, n, min_len, self.on_transition)

@@ -31,6 +31,20 @@ def current_config() -> DDConfig:
 
 
 @cache
+def request_limits() -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """What a request's ``custom_params`` overrides may name in this process: ``(selector names,
+    speculator names, largest dd_top_k)``, from the preset's ``sparse.request_selectors`` and
+    ``sparse.request_max_top_k`` (:class:`~dd_sglang.kvcache.params.SparseParams`); cached.
+    The tokenizer manager checks a request with them, and the scheduler's runtime holds the same."""
+    from dd_sglang.kvcache.params import SparseParams
+    from dd_sglang.prefetch.selectors import SELECTORS
+    from dd_sglang.prefetch.speculators import SPECULATORS
+
+    params = SparseParams(**current_config().sparse.model_dump())
+    return params.request_selector_names(tuple(SELECTORS)), tuple(SPECULATORS), params.request_top_k_max
+
+
+@cache
 def _scheduler_metrics(attn_tp_rank: int):
     from dd_sglang.metrics.scheduler_stats import SchedulerMetrics
 

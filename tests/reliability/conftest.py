@@ -17,6 +17,9 @@ The server (:func:`rel_server`, package scope) is the CPU preset with:
 * a host tier of :data:`GROWTH_PROMPT` 's pages + 2 (``sparse.host_tier_bytes``),
   so one request's decode growth fills it;
 * ``prefetch.hit_rate_sample`` 1 (every step feeds the prefetch series);
+* what a request may ask bounded as a GPU operator would (:data:`REQUEST_SELECTORS`,
+  :data:`REQUEST_MAX_TOP_K`): every selector but ``quest_device`` (device-resident index), and a
+  ``dd_top_k`` of at most the model's context;
 * the launcher's default dtype for this CPU, given explicitly (the host tier is sized in its bytes
   before the server starts);
 * a device pool of 4,096 tokens and SGLang's ``--api-key`` (the sidecar's
@@ -33,6 +36,10 @@ from bench.server import ROOT, ServerProcess, launch_server
 from tests.servers import boots, serve
 
 from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token
+
+#: The preset's ``sparse.request_selectors`` / ``sparse.request_max_top_k`` (module docstring).
+REQUEST_SELECTORS = ("spec_host", "spec_host_exact", "oracle", "recency", "host_sync")
+REQUEST_MAX_TOP_K = 8192
 
 
 def _growth_prompt(tokenizer) -> tuple[str, list[int]]:
@@ -85,6 +92,7 @@ def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
         page_size=PAGE,
         host_tier_bytes=usable + PAGE * per_token,  # + SGLang's padding page
     )
+    preset["sparse"].update(request_selectors=list(REQUEST_SELECTORS), request_max_top_k=REQUEST_MAX_TOP_K)
     preset["prefetch"]["hit_rate_sample"] = 1.0
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
