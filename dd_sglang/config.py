@@ -106,8 +106,8 @@ class SparseSection(_Strict):
     override ``top_k`` and ``selector`` through ``custom_params``
     (``dd_top_k``, ``dd_selector``), within ``request_max_top_k`` (None: up to 1,000,000) and
     ``request_selectors`` (None: every selector; else these and ``selector``). Both bound what one
-    request may make the server hold outside SGLang's KV pool sizing: its critical-set buffers grow
-    with its ``top_k`` (``[rows, KV heads, top_k, head_dim]`` K and V per layer buffer), and
+    request may make the server hold outside SGLang's KV pool sizing: the device's layer ring of
+    critical-set K/V (:mod:`dd_sglang.kvcache.layer_buffers`) grows with its ``top_k``, and
     ``quest_device``'s index, once any request chooses it, holds 1/16 of ``host_tier_bytes`` on
     the device for the server's life (HBM on a GPU).
     """
