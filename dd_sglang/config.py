@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 #: Folder of the shipped presets (repository root / configs).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -31,7 +31,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Unknown keys refused; values not coerced (pydantic's strict mode: ``"512"`` or ``true`` is not an
+    integer, though an integer is a float), as a YAML preset states its types."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSection(_Strict):
@@ -138,14 +141,13 @@ class SparseSection(_Strict):
             raise ValueError("names a selector twice")
         return v
 
-    @model_validator(mode="after")
-    def _request_cap_covers_top_k(self) -> SparseSection:
-        if self.request_max_top_k is not None and self.request_max_top_k < self.top_k:
-            raise ValueError(
-                f"sparse.request_max_top_k ({self.request_max_top_k}) is below sparse.top_k ({self.top_k}): "
-                "a request could not ask for the server's own top_k"
-            )
-        return self
+    @field_validator("request_max_top_k")
+    @classmethod
+    def _request_cap_covers_top_k(cls, v: int | None, info: ValidationInfo) -> int | None:
+        top_k = info.data.get("top_k")  # absent when top_k itself failed (its own error is reported)
+        if v is not None and top_k is not None and v < top_k:
+            raise ValueError(f"is below sparse.top_k ({top_k}): a request could not ask for the server's own top_k")
+        return v
 
 
 class PrefetchSection(_Strict):

@@ -45,7 +45,12 @@ def test_every_shipped_preset_validates():
         ({"sparse": {"request_selectors": ["oracle", "oracle"]}}, ["sparse.request_selectors", "names a selector twice"]),
         ({"sparse": {"request_max_top_k": 0}}, ["sparse.request_max_top_k", "ge 1"]),
         ({"sparse": {"top_k": 512, "request_max_top_k": 256}},
-         ["sparse.request_max_top_k (256) is below sparse.top_k (512)"]),
+         ["key 'sparse.request_max_top_k': Value error, is below sparse.top_k (512)", "got 256"]),
+        ({"sparse": {"request_max_top_k": "512"}}, ["sparse.request_max_top_k", "valid integer", "got '512'"]),
+        ({"sparse": {"request_max_top_k": True}}, ["sparse.request_max_top_k", "valid integer", "got True"]),
+        ({"sparse": {"min_sparse_len": True}}, ["sparse.min_sparse_len", "valid integer"]),
+        ({"server": {"max_total_tokens": "4096"}}, ["server.max_total_tokens", "valid integer"]),
+        ({"metrics": {"update_interval_s": "fast"}}, ["metrics.update_interval_s", "valid number"]),
     ],
 )
 def test_bad_values_name_the_key_and_range(data, needles):
@@ -122,7 +127,7 @@ def test_dd_flags_are_split_from_sglang_flags():
     [
         ("server:\n  port: 0\n", "server.port"),
         ("server:\n  maxtokens: 5\n", "unknown key 'server.maxtokens'"),
-        ("sparse:\n  request_max_top_k: 100\n", "sparse.request_max_top_k (100) is below sparse.top_k (256)"),
+        ("sparse:\n  request_max_top_k: 100\n", "key 'sparse.request_max_top_k': Value error, is below sparse.top_k (256)"),
     ],
 )
 def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, needle):
