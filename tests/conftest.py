@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from bench.server import ServerProcess, launch_server
-from tests.lanes import make_lane_scheduling, on_this_worker, shared_servers, this_worker
+from tests.lanes import LANE_1_NICE, make_lane_scheduling, on_this_worker, shared_servers, this_worker
 from tests.servers import LAUNCHERS, booted, boots, serve, stop_and_check, stop_behind, stopping
 
 #: KV pool cap of the test server, in tokens (small: the suite runs on 2 cores / 24 GB).
@@ -68,6 +68,14 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist, each worker runs one lane of tests with its own servers (``tests/lanes.py``)."""
     return make_lane_scheduling(config, log)
+
+
+def pytest_sessionstart(session):
+    """Lane 1's worker (and every process it starts) runs at a lower CPU priority (``tests/lanes.py``:
+    :data:`~tests.lanes.LANE_1_NICE`): lane 0 is the longer one, its servers' tests the suite's tail."""
+    index, count = this_worker()
+    if index == 1 and count >= 2 and LANE_1_NICE:
+        os.nice(LANE_1_NICE)
 
 
 @pytest.fixture(scope="session", autouse=True)

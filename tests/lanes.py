@@ -33,6 +33,14 @@ LANE_1 = (
 )
 
 
+#: Niceness added to lane 1's worker (``tests/conftest.py``: ``pytest_sessionstart``), which its
+#: servers and subprocesses inherit; ``DD_TEST_LANE_1_NICE`` (0-19) overrides it. Lane 0 is the
+#: suite's tail: on the 2-core AMD EPYC host (2026-12-05, ``make test`` alone, the servers' log
+#: times) lane 1 ended 43 s before lane 0 at niceness 0 (630.6 s in all), 24 s before at 4 (612.1 s)
+#: and with it at 10 (612.3 s): the two cores are then busy to the end (1,090 CPU s in 612 s).
+LANE_1_NICE = int(os.environ.get("DD_TEST_LANE_1_NICE", "4"))
+
+
 def lane_of(nodeid: str, workers: int) -> int:
     """The worker index (0-based) that runs test ``nodeid`` when ``workers`` workers run the suite:
     1 for :data:`LANE_1`'s tests when there are 2 or more, else 0 (a third worker gets nothing)."""
