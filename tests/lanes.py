@@ -38,7 +38,18 @@ LANE_1 = (
 #: suite's tail: on the 2-core AMD EPYC host (2026-12-05, ``make test`` alone, the servers' log
 #: times) lane 1 ended 43 s before lane 0 at niceness 0 (630.6 s in all), 24 s before at 4 (612.1 s)
 #: and with it at 10 (612.3 s): the two cores are then busy to the end (1,090 CPU s in 612 s).
-LANE_1_NICE = int(os.environ.get("DD_TEST_LANE_1_NICE", "4"))
+def _lane_1_nice(raw: str) -> int:
+    """``DD_TEST_LANE_1_NICE``'s value; raises ``ValueError`` naming it unless an integer in [0, 19]."""
+    try:
+        nice = int(raw)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"DD_TEST_LANE_1_NICE must be an integer in [0, 19], got {raw!r}")
+    return nice
+
+
+LANE_1_NICE = _lane_1_nice(os.environ.get("DD_TEST_LANE_1_NICE", "4"))
 
 
 def lane_of(nodeid: str, workers: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.lanes import lane_indices, lane_of, shared_servers, this_worker
 
 COLLECTION = [
@@ -43,3 +45,12 @@ def test_this_worker_reads_xdist_environment(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
     assert this_worker() == (1, 2)
+
+
+def test_lane_1_niceness_is_checked():
+    from tests.lanes import _lane_1_nice
+
+    assert _lane_1_nice("0") == 0 and _lane_1_nice("19") == 19
+    for bad in ("20", "-1", "high", ""):
+        with pytest.raises(ValueError, match=r"DD_TEST_LANE_1_NICE must be an integer in \[0, 19\]"):
+            _lane_1_nice(bad)
