@@ -64,9 +64,7 @@ def create_dualdecoder_radix_cache(ctx):
     from dd_sglang.kvcache.params import SparseParams
     from dd_sglang.kvcache.radix import DualDecoderRadixCache
     from dd_sglang.kvcache.ranks import current_ranks, host_tier_share
-    from dd_sglang.plugin.runtime import current_config
-    from dd_sglang.prefetch.selectors import SELECTORS
-    from dd_sglang.prefetch.speculators import SPECULATORS
+    from dd_sglang.plugin.runtime import current_config, request_limits
 
     if ctx.enable_hierarchical_cache:
         raise ValueError(
@@ -82,18 +80,18 @@ def create_dualdecoder_radix_cache(ctx):
     sparse = current_config().sparse.model_dump()
     total = sparse["host_tier_bytes"]
     sparse["host_tier_bytes"] = host_tier_share(total, ranks)
-    params = SparseParams(**sparse)
+    selectors, speculators, _ = request_limits()  # what the tokenizer manager lets requests name
     try:
         runtime = sparse_runtime.SparseRuntime(
-            params,
+            SparseParams(**sparse),
             allocator.get_kvcache(),
             allocator,
             ctx.params.req_to_token_pool.req_to_token,
             on_transition=_count_transition if ranks.primary else None,
             on_rebuild=_count_rebuild if ranks.primary else None,
             on_unpin=_count_unpin if ranks.primary else None,
-            selectors=params.request_selector_names(tuple(SELECTORS)),
-            speculators=tuple(SPECULATORS),
+            selectors=selectors,
+            speculators=speculators,
             speculator=current_config().prefetch.speculator,
         )
     except ValueError as err:
