@@ -277,8 +277,7 @@ class SparseRuntime:
         """
         n = len(req.origin_input_ids) + len(req.output_ids)
         try:
-            over = request_overrides(getattr(req.sampling_params, "custom_params", None), self.selectors,
-                                     self.speculators, self.params.request_top_k_max)  # fmt: skip
+            over = self._overrides(req)
         except ValueError:
             return None
         if n < self.params.min_sparse_len or not over.get("sparse", True):
@@ -286,6 +285,12 @@ class SparseRuntime:
         if not self._host_takes(n + max_new):
             return None
         return min(max_new, self.params.resident_bound)
+
+    def _overrides(self, req) -> dict:
+        """``req``'s ``custom_params`` overrides, checked against this server's limits
+        (:func:`~dd_sglang.kvcache.params.request_overrides`; raises its ``ValueError``)."""
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        return request_overrides(custom, self.selectors, self.speculators, self.params.request_top_k_max)
 
     def _host_takes(self, extra: int) -> bool:
         """Whether the host tier (free slots plus finished entries it may evict) can take ``extra``
@@ -318,8 +323,7 @@ class SparseRuntime:
         st = self.requests.get(req.rid)
         if st is None:
             n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-            custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-            over = request_overrides(custom, self.selectors, self.speculators, self.params.request_top_k_max)
+            over = self._overrides(req)
             # dd_sparse false: no context is long enough to leave the dense path.
             min_len = self.params.min_sparse_len if over.get("sparse", True) else DENSE_ONLY
             path = DualPath(req.rid, n, min_len, self.on_transition)
