@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.stamp-install
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint bench loadtest gpu-check clean-model
+.PHONY: install model serve test lint bench report loadtest gpu-check clean-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: model
 	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder
 	$(BIN)/python -m bench.capacity
 	$(BIN)/python -m bench.prefetch
+
+# docs/benchmarks.md (tables, provenance) and its plots in docs/img from bench/results/*.json;
+# tests/test_bench_results.py fails when the committed page is stale. No server, no model.
+report: $(STAMP)
+	$(BIN)/python -m bench.report --page docs/benchmarks.md --plots docs/img
 
 # Needs CUDA (and FlashInfer for the kernel under test); no model, no SGLang server.
 gpu-check: $(STAMP)

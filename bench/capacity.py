@@ -69,6 +69,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import write_result
 from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, launch_server, scrape, transitions
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     for b, r in runs.items():
         print(f"{b}: {r['found']}/{r['total']} passkeys, peak {r['peak_concurrent_decoding']} decoding at once, "
               f"{r['output_tokens_per_second']} out tok/s, {r['decode_tokens_per_second']} decode tok/s, "

@@ -194,7 +194,7 @@ class Counters:
             c = self.delta(f'dd_prefetch_layer_hit_rate_count{{layer="{layer}"}}')
             if c:
                 per_layer[layer] = round(self.delta(f'dd_prefetch_layer_hit_rate_sum{{layer="{layer}"}}') / c, 5)
-        misses = sum(self.delta(f'dd_prefetch_misses_total{{policy="{p}"}}') for p in ("use_prefetched", "repair"))
+        misses = sum(self.delta(f'dd_prefetch_misses_total{{policy="{p}"}}') for p in ("use_prefetched", "verify"))
         return {
             "lookups": int(lookups),
             "hits": int(self.delta(f"dd_prefetch_hits_total{lab}")),
@@ -220,11 +220,37 @@ def n_layers_of_model() -> int:
     return int(json.loads((prepare_model(progress=False) / "config.json").read_text())["num_hidden_layers"])
 
 
-def write_result(result: dict, path: str | Path) -> None:
-    """Write a suite's result as indented JSON to ``path`` (parent folders created) and print where."""
+def write_result(result: dict, path: str | Path, dtype: str | None = None) -> None:
+    """Write a benchmark's result as indented JSON to ``path`` (parent folders created) and print where.
+
+    The file starts with the result's ``provenance`` block (:func:`bench.machine.provenance`:
+    commit, date, command, versions, one machine block); what a ``provenance`` the result brings
+    states (taken before the run) wins over what is taken now. The bench's own ``machine`` field (speed probes, :func:`bench.machine.describe`) moves into that
+    block's ``machine``; its ``command`` is kept and copied there. ``dtype``: the model dtype the
+    benchmark ran in; default the result's ``dtype`` (or ``settings.dtype``), else the dtype the
+    launcher chooses on this host (:func:`dd_sglang.platform.dtype.default_dtype`) on a CPU host.
+    """
+    from bench import machine
+
+    body = dict(result)
+    given = body.pop("provenance", None) or {}
+    probes = body.pop("machine", None)
+    if probes is not None and not isinstance(probes, dict):
+        probes = {"description": probes}
+    if dtype is None:
+        dtype = body.get("dtype") or (body.get("settings") or {}).get("dtype")
+    if dtype is None and machine.gpu_name() is None:
+        from dd_sglang.platform.dtype import default_dtype
+
+        dtype = default_dtype()
+    prov = machine.provenance(body.get("command"), dtype, probes)
+    # A block taken earlier (bench.machine.measured: before the run) keeps its commit and date.
+    prov.update({k: v for k, v in given.items() if k != "machine" and v is not None})
+    prov["machine"].update({k: v for k, v in (given.get("machine") or {}).items() if v is not None})
+    body = {"provenance": prov, **body}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(body, indent=1) + "\n")
     print(f"-> {out}")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import write_result
 from bench.prompts import passkey_prompt
 from bench.server import start_server
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, args.out, dtype="bfloat16,float32")
     json.dump(result["float32_over_bfloat16"], sys.stdout, indent=2)
     print()
     return 0

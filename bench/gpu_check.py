@@ -498,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         "min_speedup": min(speed) if speed else None,
         "seconds": round(result["seconds"], 1),
     }  # fmt: skip
+    from bench.machine import provenance  # imports no SGLang (tests/test_gpu_check.py)
+
+    result = {"provenance": provenance(dtype=str(dtype).removeprefix("torch.")), **result}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     print(json.dumps(result["summary"], indent=1))

@@ -18,7 +18,6 @@ whole-run rate, passkeys). Reported: per server the per-round figures and their 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -28,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from bench.capacity import round_prompts, run_round
+from bench.client import write_result
 from bench.server import launch_server
 
 #: name -> (launcher flags, environment added)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     print(f"huge over 4 KiB pages, steady decode: {result['huge_over_4k_steady']} (rounds {ratios}) -> {out}")
     return 0
 

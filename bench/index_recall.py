@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     out["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(out, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        from bench.client import write_result
+
+        write_result(out, args.out)
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from bench.client import write_result
 from bench.prompts import passkey_prompt
 from bench.server import start_server
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     for b, r in runs.items():
         print(f"{b}: passkey {r['found']}/{r['total']}, decode {r['decode_tokens_per_second']} tok/s at "
               f"{r['decode_prompt_tokens']} tokens, start {r['engine_start_seconds']} s, "

@@ -56,6 +56,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
+from bench.client import write_result
 from bench.prompts import passkey_prompt
 from bench.server import ROOT, scrape, start_server
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         result["quality_and_speed"] = quality_and_speed(tok, ids_all, contexts, args.new_tokens, tmp)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     print(f"-> {out}")
     return 0
 

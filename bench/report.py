@@ -1,12 +1,17 @@
-"""Markdown tables and PNG plots from the quality benchmarks' JSON (``bench.fidelity``, ``bench.prediction``).
+"""``docs/benchmarks.md`` and its plots from the results in ``bench/results/``; Markdown tables and
+PNG plots of the quality benchmarks (``bench.fidelity``, ``bench.prediction``).
 
 Usage::
 
+    make report      # = python -m bench.report --page docs/benchmarks.md --plots docs/img
     python -m bench.report [--fidelity bench/results/fidelity_cpu.json]
                            [--prediction bench/results/prediction_cpu.json] [--plots bench/results]
 
-Prints the Markdown the README embeds (a file that does not exist is skipped
-with a note) and writes, next to the JSON unless ``--plots`` says otherwise:
+``--page PATH`` writes the whole benchmarks page (:func:`benchmarks_page`: every result directly
+under ``bench/results/``, ``archive/`` left out, each with its provenance block as a row, then a
+table per benchmark); ``tests/test_bench_results.py`` fails when the committed page differs from
+what the results give. Without it, prints the quality tables (a file that does not exist is
+skipped with a note). Either way it writes, into ``--plots`` (default: beside the JSON):
 ``fidelity_accuracy.png`` (retrieval accuracy vs top_k per configuration, one
 panel per context, dense as a band), ``prediction_layers.png`` (recall per
 layer per configuration and the ceiling, one panel per context and k, sampled
@@ -218,13 +223,160 @@ def plot_prediction(res: dict, layers_path: Path, regimes_path: Path) -> None:
     plt.close(fig)
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+#: Plots of the benchmarks page, relative to ``docs/``.
+PAGE_PLOTS = ("img/fidelity_accuracy.png", "img/prediction_layers.png", "img/prediction_regimes.png")
+
+
+def _num(v, digits: int = 2) -> str:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    return f"{v:,}" if isinstance(v, int) else f"{v:,.{digits}f}"
+
+
+def _cmd(p: dict) -> str:
+    return f"`{p['command']}`" if p.get("command") else "not recorded"
+
+
+def provenance_row(name: str, res: dict) -> str:
+    """One row of the page's provenance table: file, commit, date (day), host, dtype, command."""
+    p = res["provenance"]
+    m = p["machine"]
+    host = m.get("gpu") or m.get("cpu_model") or "CPU model not recorded"
+    cores = f", {m['cores']} cores" if m.get("cores") else ""
+    commit = (p.get("commit") or "not recorded")[:10]
+    date = (p.get("date") or "not recorded")[:10]
+    return (f"| `{name}` | {commit} | {date} | `{m.get('host_class')}` ({host}{cores}) "
+            f"| {m.get('dtype') or 'not recorded'} | {_cmd(p)} |")  # fmt: skip
+
+
+def decode_speed_table(res: dict) -> str:
+    """Markdown: per context x batch, sparse default over SGLang dense and over the same server's
+    dense path, the median step (ms), pass keys."""
+    lines = ["| context x batch | sparse / SGLang dense | sparse / same server dense | decode tokens/s: SGLang dense, same server dense, sparse | median step ms: same server dense → sparse | pass keys: SGLang dense, sparse |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for c in res["cells"]:
+        sd, dd, sp = c["sglang_dense"], c["dualdecoder_dense"], c["dualdecoder_sparse"]
+        ms = lambda b: _num(1e3 * b["breakdown"]["step"], 0) if b.get("breakdown") else "–"  # noqa: E731
+        lines.append(f"| {c['context']:,} x {c['batch']} | {c['sparse_over_sglang_dense']:.2f}x "
+                     f"| {c['sparse_over_dense_same_server']:.2f}x | {_num(sd['decode_tokens_per_second'], 1)}, "
+                     f"{_num(dd['decode_tokens_per_second'], 1)}, {_num(sp['decode_tokens_per_second'], 1)} | {ms(dd)} → {ms(sp)} "
+                     f"| {sd['found']}/{sd['total']}, {sp['found']}/{sp['total']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def capacity_table(res: dict) -> str:
+    """Markdown: per backend, pass keys, peak concurrent decoding requests, output and steady
+    decode tokens/s, in one device KV budget."""
+    lines = ["| backend | pass keys | peak concurrent decoding | output tokens/s | steady decode tokens/s |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for name, b in res["backends"].items():
+        lines.append(f"| `{name}` | {b['found']}/{b['total']} | {b['peak_concurrent_decoding']} "
+                     f"| {_num(b['output_tokens_per_second'])} | {_num(b['steady_decode_tokens_per_second'])} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _flatten(d: dict, prefix: str = "", depth: int = 0) -> list[tuple[str, object]]:
+    out = []
+    for k, v in d.items():
+        if k in ("provenance", "command", "benchmark", "bench", "what"):
+            continue
+        if isinstance(v, dict) and depth < 2:
+            out += _flatten(v, f"{prefix}{k}.", depth + 1)
+        elif not isinstance(v, list | dict):
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def figures_table(res: dict, limit: int = 40) -> str:
+    """Markdown: the result's scalar figures (nested mappings flattened to two levels, lists left
+    out: the JSON has them), at most ``limit`` rows."""
+    rows = _flatten(res)
+    lines = ["| figure | value |", "|---|---|"] + [f"| `{k}` | {_num(v, 3)} |" for k, v in rows[:limit]]
+    if len(rows) > limit:
+        lines.append(f"| ... | {len(rows) - limit} more in the JSON |")
+    return "\n".join(lines) + "\n"
+
+
+def list_tables(res: dict, max_rows: int = 16, max_cols: int = 8) -> str:
+    """Markdown: one table per top-level list of mappings (``cells``, ``runs``), their scalar
+    fields as columns (at most ``max_cols``), at most ``max_rows`` rows each."""
+    out = []
+    for key, v in res.items():
+        if not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v)):
+            continue
+        cols = [k for k, x in v[0].items() if not isinstance(x, list | dict)][:max_cols]
+        if not cols:
+            continue
+        out += [f"`{key}`:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(_num(x.get(c), 3) for c in cols) + " |" for x in v[:max_rows]]
+        out.append("")
+    return "\n".join(out)
+
+
+def _title(name: str, res: dict) -> str:
+    return res.get("benchmark") or res.get("bench") or res.get("what") or name
+
+
+def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
+    """The whole of ``docs/benchmarks.md`` from the JSON files directly under ``results`` (sorted
+    by name); with ``plots``, also writes the quality plots there (:data:`PAGE_PLOTS`' names)."""
+    files = sorted(results.glob("*.json"))
+    res = {f.name: json.loads(f.read_text()) for f in files}
+    out = ["# Benchmarks", "",
+           "<!-- Generated by `make report` (python -m bench.report --page docs/benchmarks.md --plots docs/img)",
+           "     from bench/results/*.json; tests/test_bench_results.py fails when they differ. Do not edit. -->", "",
+           "Every result below is a JSON file in `bench/results/` with a `provenance` block (commit, date, command,",
+           "versions, one machine block); results kept for history only are in `bench/results/archive/` and are",
+           "not cited. CPUs of one machine kind differ several-fold in dense attention speed: compare figures",
+           "only within one result (one run, one host). Where a field was not recorded at run time the block",
+           "says so in its `provenance_note`.", "",
+           "## Results and their provenance", "",
+           "| result | commit | date | host | dtype | command |", "|---|---|---|---|---|---|"]  # fmt: skip
+    out += [provenance_row(n, r) for n, r in res.items()] + [""]
+    for name, r in res.items():
+        out += [f"## {_title(name, r)}", "", f"`bench/results/{name}`, host `{r['provenance']['machine'].get('host_class')}`.", ""]
+        if name.startswith("decode_speed"):
+            out.append(decode_speed_table(r))
+        elif name.startswith("capacity"):
+            out += [f"Device KV budget: {r['device_kv_budget_tokens']:,} tokens, {len(r['prompt_tokens'][0])} requests "
+                    f"of ~{r['prompt_tokens'][0][0]:,} tokens, {r['new_tokens_per_request']} new tokens each, "
+                    f"{r.get('rounds', 1)} round(s).", "", capacity_table(r)]  # fmt: skip
+        elif name.startswith("fidelity"):
+            out += ["Retrieval found / trials and teacher-forced NLL relative to dense, per configuration:", "",
+                    fidelity_summary(r)]  # fmt: skip
+            if plots:
+                plot_fidelity(r, plots / Path(PAGE_PLOTS[0]).name)
+            out += [f"![retrieval accuracy against top_k]({PAGE_PLOTS[0]})", ""]
+        elif name.startswith("prediction"):
+            out.append(prediction_tables(r))
+            if r["cells"] or r.get("ceiling_cells"):
+                if plots:
+                    plot_prediction(r, plots / Path(PAGE_PLOTS[1]).name, plots / Path(PAGE_PLOTS[2]).name)
+                out += [f"![prefetch recall per layer]({PAGE_PLOTS[1]})", "",
+                        f"![prefetch recall by regime]({PAGE_PLOTS[2]})", ""]  # fmt: skip
+        else:
+            out.append(figures_table(r))
+            tables = list_tables(r)
+            if tables:
+                out.append(tables)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--fidelity", default="bench/results/fidelity_cpu.json")
     ap.add_argument("--prediction", default="bench/results/prediction_cpu.json")
     ap.add_argument("--plots", default=None, help="folder for the PNGs (default: beside each JSON)")
+    ap.add_argument("--page", default=None, help="write the whole benchmarks page here (docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    if args.page:
+        plots = Path(args.plots or Path(args.page).parent / "img")
+        plots.mkdir(parents=True, exist_ok=True)
+        Path(args.page).write_text(benchmarks_page(RESULTS, plots))
+        print(f"-> {args.page}, plots in {plots}")
+        return 0
     fid, pred = Path(args.fidelity), Path(args.prediction)
     if args.plots:
         Path(args.plots).mkdir(parents=True, exist_ok=True)

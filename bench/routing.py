@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.client import write_result
 from bench.gateway import served_by, start_gateway
 from bench.prompts import FILLER, passkey_prompt
 from bench.server import ROOT, scrape
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(report, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                   "bytes_per_layer": 2 * args.rows * HKV * args.k * D * 2, "host_tokens": args.host_tokens},
         "results": results,
     }  # fmt: skip
+    from bench.machine import provenance  # no SGLang import: this runs on a host without it
+
+    out = {"provenance": provenance(dtype="bfloat16"), **out}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
