@@ -7,7 +7,7 @@ Usage::
                                  [--select-worker] [--select-split] [--select-inline] [--torch-kernel]
                                  [--unpacked-dense]
                                  [--temperature 0.8] [--independent-sampling] [--inline-transfer]
-                                 [--repair-fraction 1] [--hit-rate-sample 0.05] [--selectors host_sync]
+                                 [--use-prefetched] [--hit-rate-sample 0.05] [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -78,13 +78,14 @@ With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
 ring before attention, instead of read in place from the host tier, a CPU's
 default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
-With ``--repair-fraction F`` one more ``dualdecoder`` server runs the preset
-with ``prefetch.repair_fraction: F`` (a repair after a rejected speculation may
-add ``ceil(F x top_k)`` tokens instead of the fixed ``repair_budget``), its runs
-as ``dualdecoder_sparse_repair_fraction`` and ``repair_fraction_over_default``
-its tokens/s over the default's. Each sparse breakdown also gives ``repairs``
-(repaired (request, layer) rows) and ``repaired_tokens`` (summed over KV heads)
-per step.
+With ``--use-prefetched`` each cell's sparse default also runs on the
+``dualdecoder`` server with ``custom_params.dd_miss_policy: use_prefetched``
+(the prediction attended as it arrived, unverified), as
+``dualdecoder_sparse_use_prefetched``, and ``verify_over_use_prefetched`` is
+the default's tokens/s over it: what guaranteed recall costs. Each sparse
+breakdown also gives ``repairs`` (verified (request, layer) rows whose
+prediction missed a token) and ``repaired_tokens`` (the tokens fetched
+synchronously, summed over KV heads) per step.
 With ``--hit-rate-sample F`` one more ``dualdecoder`` server runs the preset with
 ``prefetch.hit_rate_sample: F`` (the fraction of (request, step)s whose prefetch hit
 rate is measured against the exact top-k, in every layer), its runs as
@@ -182,8 +183,9 @@ def breakdown(before: dict, after: dict, kind: str) -> dict:
     out["select_ahead"] = _d(after, before, 'dd_step_phase_seconds_total{phase="select_ahead"}') / steps
     out["copy"] = _d(after, before, "dd_transfer_copy_seconds_sum") / steps
     out["transfer_bytes"] = _d(after, before, "dd_transfer_bytes_total") / steps
-    # Per step, summed over layers (and, for tokens, KV heads): lookahead rows repaired after a rejection.
-    out["repairs"] = _d(after, before, 'dd_prefetch_misses_total{policy="repair"}') / steps
+    # Per step, summed over layers (and, for tokens, KV heads): verified rows whose prediction missed, and
+    # the tokens fetched for them.
+    out["repairs"] = _d(after, before, 'dd_prefetch_misses_total{policy="verify"}') / steps
     out["repaired_tokens"] = _d(after, before, "dd_prefetch_repaired_tokens_total") / steps
     return out
 
@@ -202,7 +204,7 @@ RATIOS = (
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
     ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
     ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
-    ("repair_fraction_over_default", "dualdecoder_sparse_repair_fraction", "dualdecoder_sparse"),
+    ("verify_over_use_prefetched", "dualdecoder_sparse", "dualdecoder_sparse_use_prefetched"),
     ("hit_rate_sample_over_default", "dualdecoder_sparse_hit_rate_sample", "dualdecoder_sparse"),
 )
 
@@ -256,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline-transfer", action="store_true",
                     help="also run the sparse default on a server with prefetch.transfer: inline (critical sets "
                          "copied into the ring, not read in place)")  # fmt: skip
-    ap.add_argument("--repair-fraction", type=float, default=None, metavar="F",
-                    help="also run the sparse default on a server with prefetch.repair_fraction: F (0..1)")  # fmt: skip
+    ap.add_argument("--use-prefetched", action="store_true",
+                    help="also run the sparse default with custom_params.dd_miss_policy use_prefetched (unverified)")  # fmt: skip
     ap.add_argument("--hit-rate-sample", type=float, default=None, metavar="F",
                     help="also run the sparse default on a server with prefetch.hit_rate_sample: F (0..1)")  # fmt: skip
     ap.add_argument("--selectors", default="",
@@ -274,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
                                                             "dualdecoder_sparse")))  # fmt: skip
     if not 0.0 <= args.temperature <= 2.0:
         ap.error(f"--temperature must be in [0, 2], got {args.temperature}")
-    if args.repair_fraction is not None and not 0.0 <= args.repair_fraction <= 1.0:
-        ap.error(f"--repair-fraction must be in [0, 1], got {args.repair_fraction}")
     if args.hit_rate_sample is not None and not 0.0 <= args.hit_rate_sample <= 1.0:
         ap.error(f"--hit-rate-sample must be in [0, 1], got {args.hit_rate_sample}")
     if args.rounds < 1:
@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                         [("dualdecoder_dense", {"dd_sparse": False}, "dense"), ("dualdecoder_sparse", {}, "sparse")]),
     }  # fmt: skip
     servers["dualdecoder"][1].extend((f"dualdecoder_sparse_{x}", {"dd_selector": x}, "sparse") for x in extra)
+    if args.use_prefetched:
+        servers["dualdecoder"][1].append(("dualdecoder_sparse_use_prefetched", {"dd_miss_policy": "use_prefetched"},
+                                          "sparse"))  # fmt: skip
     envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
     if args.unpacked_dense:
         servers["unpacked"] = (["--attention-backend", "torch_native"], [("sglang_dense_unpacked", None, None)])
@@ -328,8 +331,6 @@ def main(argv: list[str] | None = None) -> int:
                 ("torch_kernel", "kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
                 ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling),
                 ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer),
-                ("repair_fraction", "repair_fraction", args.repair_fraction, "dualdecoder_sparse_repair_fraction",
-                 args.repair_fraction is not None),
                 ("hit_rate_sample", "hit_rate_sample", args.hit_rate_sample, "dualdecoder_sparse_hit_rate_sample",
                  args.hit_rate_sample is not None)]  # fmt: skip
     for backend, key, value, run_key, wanted in variants:
@@ -406,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    default / inline selection {r['default_over_inline_select']:.2f}x")
         if "in_place_over_inline" in r:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
-        if "repair_fraction_over_default" in r:
-            print(f"    repair_fraction {args.repair_fraction} / default {r['repair_fraction_over_default']:.2f}x")
+        if "verify_over_use_prefetched" in r:
+            print(f"    verify / use_prefetched {r['verify_over_use_prefetched']:.2f}x")
         if "hit_rate_sample_over_default" in r:
             print(f"    hit_rate_sample {args.hit_rate_sample} / default {r['hit_rate_sample_over_default']:.2f}x")
         if "coupled_over_independent" in r:

@@ -16,8 +16,8 @@ attention), or with ``--dense full_top_k`` the ``dualdecoder`` server at
 prefill per prompt for the whole run). Sparse (one ``dualdecoder`` server, default CPU preset with
 ``prefetch.hit_rate_sample: 1`` so every step's prefetch recall is counted;
 per-request ``custom_params``): ``oracle`` (exact top-k of the real query);
-``spec_host+dual_token`` (the default configuration: repairs after a rejected
-speculation), the same with ``dd_miss_policy: use_prefetched`` (no repair),
+``spec_host+dual_token`` (the default configuration: verified against the real
+query's set at every layer), the same with ``dd_miss_policy: use_prefetched`` (unverified),
 ``spec_host_exact+dual_token`` (every host key scored),
 ``spec_host+ngram``, ``spec_host+none``, ``recency``, ``quest_device``, ``host_sync``
 (``spec_host``'s int8 index and re-ranking of the real query at attention
@@ -115,7 +115,7 @@ STOP = ["\n", "."]
 
 
 def all_configs() -> dict[str, dict]:
-    """Every selector x speculator pair, plus the default without repairs (``use_prefetched``)."""
+    """Every selector x speculator pair, plus the default unverified (``use_prefetched``)."""
     out = {f"{s}+{p}": {"dd_selector": s, "dd_speculator": p} for s in SELECTORS[:-1] for p in SPECULATORS}
     out["host_sync"] = CONFIGS["host_sync"]  # reads no speculated query: one configuration
     out["spec_host+dual_token+use_prefetched"] = CONFIGS["spec_host+dual_token+use_prefetched"]
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"tiny run for the test suite: {QUICK}")
     ap.add_argument("--prefetch", action="append", default=[], metavar="KEY=VALUE",
                     help="a prefetch preset key of the dualdecoder server this run starts (repeatable), "
-                         "e.g. repair_fraction=1; a YAML value")  # fmt: skip
+                         "e.g. rerank=4; a YAML value")  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():

@@ -46,9 +46,9 @@ REF = {"dd_top_k": 8192, "dd_selector": "oracle", "dd_speculator": "none"}
 CONFIGS = {
     "default": {},
     "oracle": {"dd_selector": "oracle", "dd_speculator": "none"},
-    "spec_host+dual_token+repair": {"dd_miss_policy": "repair"},
+    "spec_host+dual_token+verify": {"dd_miss_policy": "verify"},
     "spec_host+ngram": {"dd_selector": "spec_host", "dd_speculator": "ngram"},
-    "spec_host+ngram+repair": {"dd_selector": "spec_host", "dd_speculator": "ngram", "dd_miss_policy": "repair"},
+    "spec_host+ngram+verify": {"dd_selector": "spec_host", "dd_speculator": "ngram", "dd_miss_policy": "verify"},
     "spec_host+none": {"dd_selector": "spec_host", "dd_speculator": "none"},
     "recency": {"dd_selector": "recency", "dd_speculator": "none"},
     "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},

@@ -159,12 +159,13 @@ class PrefetchSection(_Strict):
     when it was accepted, else prompt lookup; ``ngram``: prompt lookup; ``none``:
     the current query). The lookahead selectors' K/V for layer l is copied from
     the host tier while layers ``l - depth .. l - 1`` compute, into a ring of
-    ``depth + 1`` layer buffers. ``miss_policy`` (default ``repair``): ``use_prefetched`` attends over
-    what arrived; ``repair`` fetches up to ``repair_budget`` missing tokens per
-    layer and KV head synchronously when the speculated token was rejected, or
-    ``repair_fraction x top_k`` (rounded up) where that is more (default 1: every token of the
-    real query's top-k the prediction missed, as ``host_sync`` would attend; 0: the fixed budget;
-    ``bench/results/fidelity_cpu.json``, ``bench/results/decode_speed_repair_cpu.json``).
+    ``depth + 1`` layer buffers. ``miss_policy`` (default ``verify``): at every layer the real
+    query's own critical set is chosen as ``host_sync`` chooses it (the int8 host index, exact
+    re-ranking) and replaces the prefetched one: prefetched tokens it keeps stay where they are,
+    the ones the prediction missed are fetched before attention (:mod:`dd_sglang.prefetch.verify`),
+    so a lookahead row attends exactly ``host_sync``'s set whatever the speculated token was;
+    ``use_prefetched`` attends over what arrived (an experiment: it loses answers that exact
+    selection keeps).
     ``hit_rate_sample`` is the fraction of (request, step)s whose hit rate is measured
     against the exact top-k, in every layer (default 0.01: at 0.05 the sparse default decoded 0.97x
     the tokens/s at 4k x 8 and 0.95x at 4k x 1 on 2 cores,
@@ -201,7 +202,7 @@ class PrefetchSection(_Strict):
     ``top_k``): ``never``; ``after_miss``, on steps whose riding token is not the
     model's own guess (the last speculation was rejected, or none rode, so the
     rider is a prompt lookup); ``always``. ``kernel``: how ``spec_host`` selects
-    and repairs on the host: ``native``, the C kernel built at first use with the
+    and verifies on the host: ``native``, the C kernel built at first use with the
     system compiler (``dd_sglang/kernels/cpu_select.c``; start-up fails where it
     cannot be built); ``torch``, PyTorch operations; ``auto``, ``native`` where it
     builds, else ``torch`` (logged). Both choose the same sets. ``sampling``:
@@ -216,9 +217,7 @@ class PrefetchSection(_Strict):
 
     speculator: Literal["dual_token", "ngram", "none"] = "dual_token"
     depth: int = Field(2, ge=0, le=64)
-    miss_policy: Literal["use_prefetched", "repair"] = "repair"
-    repair_budget: int = Field(32, ge=1, le=1_000_000)
-    repair_fraction: float = Field(1.0, ge=0.0, le=1.0)
+    miss_policy: Literal["verify", "use_prefetched"] = "verify"
     hit_rate_sample: float = Field(0.01, ge=0.0, le=1.0)
     rerank: float = Field(2.0, ge=1.0, le=1024.0)
     transfer: Literal["auto", "worker", "inline", "in_place"] = "auto"

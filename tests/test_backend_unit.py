@@ -58,6 +58,11 @@ class DenseFake:
 class Events(BackendEvents):
     def __init__(self):
         self.cold_n, self.rows, self.steps, self.copied_bytes, self.exact, self.repaired = 0, 0, [], 0, 0, 0
+        self.hits_lookups = [0, 0]
+
+    def verified(self, selector, speculator, hits, lookups):
+        self.hits_lookups[0] += hits
+        self.hits_lookups[1] += lookups
 
     def miss(self, policy, n, repaired_tokens):
         self.repaired += repaired_tokens
@@ -203,7 +208,7 @@ def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
     """Below full coverage a token rides; its query reads the row's resident and critical set (chosen a
     step ahead by the previous speculated query) plus its own K/V column. ``native``: the per-layer
     moves are the C row copies and single indexed copies (``prefetch/layer_rows.py``)."""
-    h = Harness(_kernel_params(kernel), top_k=24, selector="spec_host_exact")
+    h = Harness(_kernel_params(kernel, miss_policy="use_prefetched"), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
@@ -223,7 +228,8 @@ def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_two_riding_tokens_each_read_the_rows_set_and_their_own_kv(kernel):
     """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
-    h = Harness(_kernel_params(kernel, branches=2, confident=0.99), top_k=24, selector="spec_host_exact")
+    h = Harness(_kernel_params(kernel, branches=2, confident=0.99, miss_policy="use_prefetched"), top_k=24,
+                selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded
@@ -284,7 +290,7 @@ def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel, t
         runner.plan = real_plan
         plan = plans[-1]
         assert fb.input_ids.numel() == 1 and not plan.ahead and len(plan.sync) == 1
-        assert plan.repair_rows.numel() == 0 and h.events.cold_n == 0
+        assert plan.verify_rows.numel() == 0 and h.events.cold_n == 0
         g = plan.sync[0]
         ref = SpecHostSelector(2.0, native=kernel == "native")
         overlap = []
@@ -311,7 +317,8 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     from dd_sglang.prefetch import runner
 
     monkeypatch.setattr(runner, "SELECT_CHUNK_LAYERS", chunk)
-    h = Harness(_kernel_params(kernel, select=select, transfer=transfer), top_k=24, selector="spec_host_exact")
+    h = Harness(_kernel_params(kernel, select=select, transfer=transfer, miss_policy="use_prefetched"), top_k=24,
+                selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen
     fb, qs_prev, _ = h.step()  # cold: selects from the current query, queues next step's sets
@@ -346,13 +353,11 @@ def test_auto_transfer_reads_in_place_from_six_row_kv_head_pairs(transfer, rows,
 
 
 def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_take(monkeypatch):
-    """``transfer: in_place`` with a layer the fused attention does not take: that layer's sets (the
-    fixed rows' and a repair's) are copied into the ring slot after all and attended from there."""
+    """``transfer: in_place`` with a layer the fused attention does not take: that layer's verified
+    sets are copied into the ring slot after all and attended from there."""
     from dd_sglang.prefetch.runner import SparseStepRunner
 
-    h = Harness(_kernel_params("native", transfer="in_place", miss_policy="repair", repair_budget=8, repair_fraction=0.0,
-                                rerank=100),
-                top_k=24, selector="spec_host_exact")  # fmt: skip
+    h = Harness(_kernel_params("native", transfer="in_place", rerank=100), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
@@ -360,10 +365,10 @@ def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_ta
     resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
     cand = h.st.host_candidates()
     copied = h.events.copied_bytes
-    _, qs, outs = h.step(tok=99)  # rejected: repaired
+    _, qs, outs = h.step(tok=99)  # rejected
     assert h.backend.runner._crit is not None and (h.backend.runner._crit == -1).all()  # all went to the ring
-    assert h.events.copied_bytes - copied >= LAYERS * 2 * (24 + 8) * HKV * D * 4
-    _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident)
+    assert h.events.copied_bytes - copied >= LAYERS * 2 * 24 * HKV * D * 4
+    _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
 
 
 @pytest.mark.parametrize("real_query,accepted", [("always", True), ("after_miss", False), ("after_miss", True)])
@@ -371,14 +376,15 @@ def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_quer
     """prefetch.real_query: the set fixed for the next step is the top-k of the max over the speculated
     and the real query's per-KV-head scores (``always``, or ``after_miss`` when the last speculation
     was not accepted); an accepted speculation under ``after_miss`` ranks by the speculated query alone."""
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, real_query=real_query), top_k=24, selector="spec_host_exact")
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, real_query=real_query, miss_policy="use_prefetched"), top_k=24,
+                selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4 - 1) + [99, 6, 7, 8]  # after a 99, lookup says 6
     h.step()  # a token rides (prompt lookup)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step(tok=None if accepted else 99)  # the rider was the real token, or not
     assert h.backend.runner.store.get("r1").spec.branch == (0 if accepted else None)
     resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
-    _, qs, outs = h.step(tok=h.backend.runner.store.get("r1").spec.riding[0])  # accepted: no repair
+    _, qs, outs = h.step(tok=h.backend.runner.store.get("r1").spec.riding[0])  # accepted
     for i in range(LAYERS):
         spec_q, real_q = qs_prev[i][0][1], qs_prev[i][0][0]
         s = gqa_token_scores(spec_q, h.k_all[i][cand_prev], SCALE)
@@ -391,55 +397,44 @@ def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_quer
 
 
 @pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
-def test_repair_adds_the_real_querys_best_missing_tokens_after_a_rejected_speculation(kernel, transfer):
-    """Both repair paths: PyTorch's (mask the held tokens in the scores) and the C kernel's (the
-    first ``repair_budget`` not held of the real query's ``k + repair_budget`` best); the C path's
-    repaired tokens copied into the ring or read in place."""
+@pytest.mark.parametrize("accepted", [True, False])
+def test_verify_attends_the_real_querys_top_k_whatever_was_prefetched(kernel, transfer, accepted):
+    """prefetch.miss_policy verify (the default): after a rejected speculation and after an accepted one
+    alike, each layer's real query attends the resident set and its own exact top-k (host_sync's set:
+    with rerank 100 every candidate is re-ranked exactly), not the set its previous speculated query
+    chose; the tokens fetched synchronously are exactly the real top-k's tokens that set missed (copied
+    into the ring, or read in place), and the verified hits are the rest."""
     if kernel == "native" and not native_kernel.available():
         pytest.skip(f"no CPU selection kernel here: {native_kernel.unavailable_reason()}")
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, repair_fraction=0.0,
-                               rerank=100, kernel=kernel, transfer=transfer), top_k=24, selector="spec_host_exact")  # fmt: skip
+    h = Harness(PrefetchParams(hit_rate_sample=0.0, rerank=100, kernel=kernel, transfer=transfer), top_k=24,
+                selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
     resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
     cand = h.st.host_candidates()
-    fb, qs, outs = h.step(tok=99)  # not the speculated token: rejected, repaired (the fixed budget: fraction 0)
-    assert fb.dd_step is None
-    _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident)
+    riding = h.backend.runner.store.get("r1").spec.riding[0]
+    _, qs, outs = h.step(tok=riding if accepted else 99)  # after 99 no token rides; the set was fixed ahead
+    missed = _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
+    assert missed > 0  # the speculated query's sets differ from the real one's: something was fetched
+    assert h.events.repaired == missed
+    assert h.events.hits_lookups == [LAYERS * HKV * 24 - missed, LAYERS * HKV * 24]
 
 
-@pytest.mark.parametrize("fraction,budget", [(0.5, 12), (0.25, 8)])
-def test_repair_fraction_widens_the_repair_to_a_share_of_top_k(fraction, budget):
-    """prefetch.repair_fraction: a rejected step repairs ceil(fraction x top_k) tokens per layer and KV
-    head where that beats repair_budget (top_k 24: 0.5 -> 12 > 8; 0.25 -> 6, so the budget's 8)."""
-    kernel = "native" if native_kernel.available() else "torch"
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, miss_policy="repair", repair_budget=8, repair_fraction=fraction,
-                               rerank=100, kernel=kernel, transfer="auto"), top_k=24, selector="spec_host_exact")  # fmt: skip
-    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
-    cand_prev = h.st.host_candidates()
-    _, qs_prev, _ = h.step()
-    resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
-    cand = h.st.host_candidates()
-    _, qs, outs = h.step(tok=99)  # rejected, repaired
-    _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident, budget=budget)
-    assert h.events.repaired == LAYERS * HKV * budget
-
-
-def _assert_repaired(h, qs_prev, cand_prev, qs, outs, cand, resident, k=24, budget=8):
-    """Each layer's real query attended to the resident set, the ``k`` its previous speculated query
-    chose among ``cand_prev``, and the real query's ``budget`` best candidates not among them."""
+def _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident, k=24) -> int:
+    """Each layer's real query attended to the resident set and its own exact top-``k`` among ``cand``;
+    returns how many of those (layer, KV head, token)s its previous speculated query's sets (the
+    prefetched ones, chosen among ``cand_prev``) did not hold."""
+    missed = 0
     for i in range(LAYERS):
         chosen = _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, k)
         q = qs[i][0][0]
-        s = gqa_token_scores(q, h.k_all[i][cand], SCALE)
-        sets = []
-        for kv in range(HKV):
-            order = cand[s[kv].argsort(descending=True)].tolist()
-            extra = [p for p in order if p not in chosen[kv]][:budget]  # the best not prefetched
-            sets.append(chosen[kv] | set(extra) | set(resident))
+        top = _topk_sets(q, h.k_all[i], cand, k)
+        missed += sum(len(t - c) for t, c in zip(top, chosen, strict=True))
+        sets = [t | set(resident) for t in top]
         torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
+    return missed
 
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
@@ -513,13 +508,3 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     finish_step(out, fb)  # a second logits call of the same batch is left alone
     assert out.next_token_logits.shape[0] == 1
 
-
-def test_repair_budget_is_the_larger_of_budget_and_fraction_capped_by_the_unheld_candidates():
-    from dd_sglang.prefetch.plan import repair_budget
-
-    inp = SimpleNamespace(repair_budget=32, repair_fraction=0.5)
-    assert repair_budget(inp, [], []) == 0  # no row repairs
-    assert repair_budget(inp, [125, 40], [3800, 3800]) == 63  # ceil(0.5 x 125) > 32
-    assert repair_budget(inp, [40], [3800]) == 32  # ceil(0.5 x 40) = 20 < 32
-    assert repair_budget(inp, [256, 256], [3800, 270]) == 14  # the second row holds 256 of 270
-    assert repair_budget(SimpleNamespace(repair_budget=32, repair_fraction=0.0), [256], [3800]) == 32

@@ -182,7 +182,7 @@ def test_fidelity_refuses_a_bad_prefetch_key_before_starting_a_server(capsys):
     """``bench.fidelity --prefetch`` is checked against the preset schema first (no server, exit 2)."""
     from bench import fidelity
 
-    for bad, msg in (("repair_fraction=2", "less than or equal to 1"), ("bogus=1", "unknown key 'prefetch.bogus'"),
+    for bad, msg in (("rerank=0.5", "greater than or equal to 1"), ("bogus=1", "unknown key 'prefetch.bogus'"),
                      ("nonsense", "--prefetch takes KEY=VALUE")):  # fmt: skip
         with pytest.raises(SystemExit) as ex:
             fidelity.main(["--quick", "--prefetch", bad, "--out", "/dev/null"])

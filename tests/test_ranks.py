@@ -220,7 +220,7 @@ def _replay(events: MetricsEvents) -> None:
     events.cold("spec_host", 2)
     events.prefetch("spec_host", "dual_token", 3, hits=200, lookups=256, mass_prefetched=0.9, mass_top_k=1.0)
     events.speculation("dual_token", accepted=True)
-    events.miss("repair", 3, repaired_tokens=5)
+    events.miss("verify", 3, repaired_tokens=5)
     events.copied(4096)
     events.phase("select", 0.25)
     events.step("sparse", 0.5)
@@ -235,7 +235,7 @@ def test_request_level_events_count_once_per_replica():
     assert m.PREFETCH_COLD.values == {(("selector", "spec_host"),): 2}
     assert m.SPEC_PROPOSED.values == {(("speculator", "dual_token"),): 1}
     assert m.SPEC_ACCEPTED.values == {(("speculator", "dual_token"),): 1}
-    assert m.PREFETCH_MISSES.values == {(("policy", "repair"),): 3}
+    assert m.PREFETCH_MISSES.values == {(("policy", "verify"),): 3}
     assert m.STEP_PHASE_SECONDS.values == {(("phase", "select"),): 0.25}
     assert m.DECODE_STEPS.values == {(("kind", "sparse"),): 1}
     assert m.DECODE_STEP_SECONDS.values == {(("kind", "sparse"),): 0.5}

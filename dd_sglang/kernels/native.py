@@ -5,7 +5,7 @@
   :meth:`dd_sglang.prefetch.selectors.SpecHostSelector.score_layers` followed by the top-k,
   one task per (layer, row) with no tensor of intermediate scores (the PyTorch version
   dispatches ~40 operations per chunk and writes every candidate's score for every query head
-  to memory and back); also the repairs' scoring.
+  to memory and back); also ``host_sync``'s and verification's scoring.
 * :func:`measure_hits`: the sampled prefetch hit-rate measurement of one layer.
 * :func:`gather_rows`: a row copy into the layer ring (each row once, no temporary).
 
@@ -20,7 +20,7 @@ Without a compiler, or if the build fails, :func:`load` returns None and logs wh
 selector then uses its PyTorch path (``prefetch.kernel: auto``).
 
 **Threads.** The tasks are split over ``torch.get_num_threads()`` OpenMP threads; a selection
-with fewer tasks than threads (one row of one layer: a selection at attention time, a repair at
+with fewer tasks than threads (one row of one layer: a selection at attention time or a verification at
 batch 1) runs each task on every thread instead, its candidates' int8 scores split in blocks of
 16 and then its KV heads (``select_task_wide``: the same arithmetic, the same sets). The library
 is built with ``-fopenmp`` and binds to the ``libgomp.so.1`` PyTorch has already loaded, so
@@ -183,7 +183,6 @@ def spec_host_select(
     m: int,
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    held: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``spec_host``'s selection of ``L`` layers (module docstring; arithmetic in ``cpu_select.c``).
 
@@ -197,9 +196,6 @@ def spec_host_select(
         scale: softmax scale.
         out: where to write ``(positions, slots)`` (contiguous ``[L, rows, Hkv, k]`` int64, e.g. views
             of the next step's sets), instead of new tensors.
-        held: ``(positions [L, rows, Hkv, h] int64, counts [rows] int64)``: per row and KV head, the
-            first ``counts[row]`` positions are never chosen (a repair's "best not yet held"; the
-            ``m`` re-ranked candidates are the same as without them).
 
     Returns:
         ``(positions, slots)``, each ``[L, rows, Hkv, k]`` int64, best first (``out`` when given).
@@ -237,18 +233,11 @@ def spec_host_select(
             if t.dtype != torch.int64 or tuple(t.shape) != (n_layers, rows, hkv, k) or not t.is_contiguous():
                 raise ValueError(f"out must be contiguous int64 {(n_layers, rows, hkv, k)}, got {t.dtype} "
                                  f"{tuple(t.shape)}")  # fmt: skip
-    held_args: tuple = (None, None, 0)
-    if held is not None:
-        hpos, hn = held
-        if hpos.dim() != 4 or tuple(hpos.shape[:3]) != (n_layers, rows, hkv) or tuple(hn.shape) != (rows,):
-            raise ValueError(f"held must be ([{n_layers}, {rows}, {hkv}, h], [{rows}]), got "
-                             f"{tuple(hpos.shape)}, {tuple(hn.shape)}")  # fmt: skip
-        hpos, hn = hpos.to(torch.int64).contiguous(), hn.to(torch.int64).contiguous()
-        held_args = (_ptr(hpos), _ptr(hn), int(hpos.shape[3]))
     s = keys.shape[1]
     args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),
             _ptr(kscale), _ptr(keys), int(keys.dtype == torch.bfloat16), k, m, float(scale),
-            _ptr(pos_out), _ptr(slot_out), *held_args)  # fmt: skip
+            _ptr(pos_out), _ptr(slot_out), None, None, 0)  # fmt: skip
+    # (the kernel's held positions, NULL: no caller skips positions any more)
     rc = lib.dd_spec_host_select_par(*args, torch.get_num_threads())  # fewer tasks than threads: each on all
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")

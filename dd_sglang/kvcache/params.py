@@ -87,7 +87,7 @@ OVERRIDE_SELECTOR = "dd_selector"
 OVERRIDE_SPECULATOR = "dd_speculator"
 OVERRIDE_MISS_POLICY = "dd_miss_policy"
 OVERRIDE_SPARSE = "dd_sparse"
-MISS_POLICIES = ("use_prefetched", "repair")
+MISS_POLICIES = ("verify", "use_prefetched")
 TOP_K_RANGE = (1, 1_000_000)
 
 

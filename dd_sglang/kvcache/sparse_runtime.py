@@ -209,7 +209,7 @@ class SparseRuntime:
         self.rebuilt_tokens = 0
         # Published by the attention backend each decode step (bytes).
         self.ring_buffer_bytes = 0  # the layer ring: the sparse rows' attention K/V for the layers in flight
-        self.critical_buffer_bytes = 0  # the ring's critical-set (and repair) columns, part of the above
+        self.critical_buffer_bytes = 0  # the ring's critical-set columns, part of the above
         self.selector_aux: dict[str, int] = {}  # device bytes kept only to choose critical sets, by selector
         self.host_index_bytes = 0  # host bytes of the int8 key index spec_host reads
         self.reclaimed_slots = 0  # device slots given back (freed or left evictable), cumulative

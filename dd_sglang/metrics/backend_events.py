@@ -19,7 +19,7 @@ class MetricsEvents:
     own KV heads. Per-(request, layer) and per-step counts and step times (sparse rows, cold
     steps, misses, speculation, decode steps and their phases) are then written by the
     attention-TP rank 0 only (``primary``), so they count each request and step once; per-KV-head
-    sums (prefetch hits, lookups, mass, repaired tokens, bytes copied) and each rank's own copy
+    sums (prefetch hits, lookups, mass, verified hits and lookups, recall, fetched tokens, bytes copied) and each rank's own copy
     timings are written by every rank and add up.
 
     Args:
@@ -74,6 +74,16 @@ class MetricsEvents:
             self.m.PREFETCH_MISSES.labels(policy=policy).inc(n)
         if repaired_tokens:
             self.m.PREFETCH_REPAIRED_TOKENS.inc(repaired_tokens)
+
+    def verified(self, selector: str, speculator: str, hits: int, lookups: int) -> None:
+        lab = {"selector": selector, "speculator": speculator}
+        self.m.PREFETCH_VERIFIED_HITS.labels(**lab).inc(hits)
+        self.m.PREFETCH_VERIFIED_LOOKUPS.labels(**lab).inc(lookups)
+
+    def recall(self, selector: str, speculator: str, held: int, lookups: int) -> None:
+        lab = {"selector": selector, "speculator": speculator}
+        self.m.CRITICAL_SET_RECALL_HELD.labels(**lab).inc(held)
+        self.m.CRITICAL_SET_RECALL_LOOKUPS.labels(**lab).inc(lookups)
 
     def copied(self, nbytes: int) -> None:
         self.m.TRANSFER_BYTES.inc(nbytes)

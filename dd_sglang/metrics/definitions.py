@@ -145,13 +145,39 @@ PREFETCH_COLD = Counter(
 )
 PREFETCH_MISSES = Counter(
     "dd_prefetch_misses",
-    "Lookahead (request, layer) steps that ran after a rejected speculated token, by miss policy: "
-    "use_prefetched (attended over what arrived) or repair (fetched missing tokens synchronously).",
+    "Lookahead (request, layer) steps whose prefetched set missed tokens of the real query's set, by miss "
+    "policy: verify (the missed tokens were fetched before attention) or use_prefetched (counted after a "
+    "rejected speculated token; attended over what arrived).",
     ["policy"],
 )
 PREFETCH_REPAIRED_TOKENS = Counter(
     "dd_prefetch_repaired_tokens",
-    "Tokens (summed over KV heads) fetched synchronously by the repair miss policy.",
+    "Tokens (summed over KV heads) of the real query's critical set that the prediction missed and "
+    "verification (prefetch.miss_policy verify) fetched synchronously before attention.",
+)
+PREFETCH_VERIFIED_HITS = Counter(
+    "dd_prefetch_verified_hits",
+    "Every verified lookahead (request, layer) (prefetch.miss_policy verify): tokens of the real query's "
+    "critical set (host_sync's top-k) that the set fixed one step earlier held. Hit rate = hits / lookups, "
+    "over every decode step (no sampling).",
+    ["selector", "speculator"],
+)
+PREFETCH_VERIFIED_LOOKUPS = Counter(
+    "dd_prefetch_verified_lookups",
+    "Every verified lookahead (request, layer): critical-set tokens checked (top_k x KV heads).",
+    ["selector", "speculator"],
+)
+CRITICAL_SET_RECALL_HELD = Counter(
+    "dd_critical_set_recall_held",
+    "Lookahead selectors, sampled steps (prefetch.hit_rate_sample): tokens of host_sync's top-k for the real "
+    "query (selected again, apart from the step) that the set the layer attended held. Recall = held / "
+    "lookups: 1 under prefetch.miss_policy verify (guaranteed recall).",
+    ["selector", "speculator"],
+)
+CRITICAL_SET_RECALL_LOOKUPS = Counter(
+    "dd_critical_set_recall_lookups",
+    "Lookahead selectors, sampled steps: tokens of host_sync's top-k checked (top_k x KV heads).",
+    ["selector", "speculator"],
 )
 SPEC_PROPOSED = Counter(
     "dd_spec_proposed",
@@ -256,6 +282,10 @@ UNITS = {
     "dd_prefetch_cold": "(request, layer) steps",
     "dd_prefetch_misses": "(request, layer) steps",
     "dd_prefetch_repaired_tokens": "tokens, summed over KV heads",
+    "dd_prefetch_verified_hits": "critical-set slots (tokens per layer and KV head)",
+    "dd_prefetch_verified_lookups": "critical-set slots (tokens per layer and KV head)",
+    "dd_critical_set_recall_held": "critical-set slots (tokens per layer and KV head)",
+    "dd_critical_set_recall_lookups": "critical-set slots (tokens per layer and KV head)",
     "dd_spec_proposed": "decode steps",
     "dd_spec_accepted": "decode steps",
     "dd_prefetch_layer_hit_rate": "ratio in [0, 1]",
@@ -270,7 +300,7 @@ LABEL_VALUES = {
     "selector": "critical-set selector: oracle, spec_host, spec_host_exact, quest_device, recency, host_sync",
     "speculator": "speculator: dual_token, ngram, none (selectors other than spec_host read no speculated "
     "token and count under none)",
-    "policy": "miss policy: use_prefetched, repair",
+    "policy": "miss policy: verify, use_prefetched",
     "source": "cuda_allocator (CUDA) or cpu_device_pool (no accelerator)",
     "layer": "transformer layer index, 0 .. layers - 1",
     "phase": "decode step phase: plan, select, assemble, attention, select_ahead",
@@ -298,6 +328,14 @@ READING = {
     "sparse step has nothing fixed in advance: it is counted in dd_prefetch_cold_total, not here.",
     "dd_prefetch_mass_prefetched": "Coverage = rate(this) / rate(dd_prefetch_mass_top_k_total): the share "
     "of the attention mass the exact top-k would capture that the prefetched set captured.",
+    "dd_prefetch_verified_hits": "Prefetch hit rate over every step = rate(dd_prefetch_verified_hits_total) / "
+    "rate(dd_prefetch_verified_lookups_total) per (selector, speculator), against the set the step attends "
+    "(host_sync's top-k of the real query, which holds 0.999 of the exact top-k at k 256, "
+    "bench/results/index_recall_cpu.json). 1 - hit rate is the share fetched synchronously; on a GPU "
+    "that share waits, the rest arrived during earlier layers.",
+    "dd_critical_set_recall_held": "rate(this) / rate(dd_critical_set_recall_lookups_total) = 1 means every "
+    "sampled layer attended all of host_sync's set (guaranteed recall); below 1 only with "
+    "prefetch.miss_policy use_prefetched.",
     "dd_spec_accepted": "Acceptance = rate(dd_spec_accepted_total) / rate(dd_spec_proposed_total) per "
     "speculator. A rejected speculation degrades the next step's set toward the previous step's.",
     "dd_transfer_wait_seconds": "histogram_quantile(0.99, rate(dd_transfer_wait_seconds_bucket[5m])): "

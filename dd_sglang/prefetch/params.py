@@ -14,12 +14,10 @@ class PrefetchParams:
         speculator: ``dual_token``, ``ngram`` or ``none`` (:mod:`dd_sglang.prefetch.speculators`).
         depth: prefetch depth ``w``: layer l's copy runs while layers ``l-w .. l-1`` compute;
             the layer ring holds ``w + 1`` layers.
-        miss_policy: ``use_prefetched`` (attend over what arrived) or ``repair`` (when the
-            speculated token was rejected, fetch synchronously the ``repair_budget`` best
-            candidates of the real query that were not prefetched, per layer and KV head).
-        repair_budget: tokens per layer and KV head a repair may add.
-        repair_fraction: a repair may add ``ceil(repair_fraction x top_k)`` tokens where that is
-            more than ``repair_budget`` (``top_k``: the largest of the step's repairing rows).
+        miss_policy: ``verify`` (at every layer, the real query's own set, chosen as ``host_sync``
+            chooses it, replaces the prefetched one: hits stay, misses are fetched before attention,
+            :mod:`dd_sglang.prefetch.verify`) or ``use_prefetched`` (attend over what arrived; an
+            experiment: it loses answers that exact selection keeps).
         hit_rate_sample: fraction of (request, step)s on which the exact top-k of the real
             query is computed to measure the prefetch hit rate (0 disables, 1 every step).
         rerank: ``spec_host`` re-ranks exactly the ``rerank x k`` best candidates of its
@@ -44,11 +42,11 @@ class PrefetchParams:
             ahead; elsewhere, or on one thread, as ``worker``); ``auto``: ``worker``
             on CUDA; on a CPU device ``split`` for a step with at least
             :data:`~dd_sglang.prefetch.runner.SPLIT_MIN_ROWS` rows selecting ahead (with 2+
-            intra-op threads), else ``inline`` (``bench/results/decode_speed_select_auto_cpu.json``).
+            intra-op threads), else ``inline`` (``bench/results/archive/decode_speed_select_auto_cpu.json``).
         gather: how host-tier rows reach the ring (:mod:`dd_sglang.prefetch.gather`): ``auto``,
             ``cpu``, ``kernel`` (CUDA: SGLang's transfer kernel reading the pinned tier) or
             ``staging`` (CUDA: host gather into pinned staging, then one copy).
-        kernel: ``spec_host``'s selection and the repairs on the host: ``native`` (the C
+        kernel: ``spec_host``'s and ``host_sync``'s selection (and verification) on the host: ``native`` (the C
             kernel, :mod:`dd_sglang.kernels.native`), ``torch`` (PyTorch operations) or ``auto``
             (``native`` where it builds, else ``torch``).
         sampling: ``coupled`` (a sampled sparse request's real token and its speculated successor
@@ -58,9 +56,7 @@ class PrefetchParams:
 
     speculator: str = "dual_token"
     depth: int = 2
-    miss_policy: str = "repair"
-    repair_budget: int = 32
-    repair_fraction: float = 1.0
+    miss_policy: str = "verify"
     hit_rate_sample: float = 0.01
     rerank: float = 2.0
     transfer: str = "auto"

@@ -29,10 +29,11 @@ tensors. Building a plan:
      step (a *cold* start).
 
 4. **Attention layout.** Per row, columns ``[0, n_res)`` hold the resident
-   set, ``[n_res, n_res + k)`` the critical set, then ``repair`` columns (rows
-   repairing a miss) and one column for the speculated token's own K/V. The
+   set, ``[n_res, n_res + k)`` the critical set, then one column for the speculated token's own K/V. The
    mask ``[rows, 2, columns]`` says which columns each of the two queries (real,
-   speculated) reads.
+   speculated) reads. The *ahead* rows under ``prefetch.miss_policy: verify`` (``verify_rows``)
+   have their critical-set columns checked against the real query's own set at each layer
+   (:mod:`dd_sglang.prefetch.verify`): what the prediction missed is swapped in before attention.
 5. **Exact rows.** A *full* row needs no prediction (its next set is again its
    whole context), so no token rides for it and the batch has dense's shape.
    ``exact_cols`` lists, per full row, its columns in position order; the
@@ -44,7 +45,6 @@ tensors. Building a plan:
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -193,7 +193,8 @@ class StepPlan:
         blocks: every row's candidate blocks.
         k: critical-set columns (the largest ``top_k``).
         n_res: resident columns; ``res_slots``: ``[R, n_res]`` int64 device slots (device).
-        repair_rows: ``[n]`` int64 plan rows that repair a miss; ``repair_budget`` columns each.
+        verify_rows: ``[n]`` int64 ahead plan rows whose prefetched sets are verified against the
+            real query's set at every layer (``prefetch.miss_policy: verify``).
         positions: query positions per row, ``1 + S`` (the real one, then up to ``S``
             speculated ones: 0, 1, or 2 with ``prefetch.branches: 2``).
         qidx: ``[R, positions]`` int64 token index of each row's queries (the real one again
@@ -227,8 +228,7 @@ class StepPlan:
     k: int
     n_res: int
     res_slots: torch.Tensor
-    repair_rows: torch.Tensor
-    repair_budget: int
+    verify_rows: torch.Tensor
     positions: int
     qidx: torch.Tensor
     spec_rows: torch.Tensor
@@ -252,8 +252,8 @@ class StepPlan:
 
     @property
     def columns(self) -> int:
-        """Attention columns per row: resident, critical, repair, one per speculated position."""
-        return self.n_res + self.k + self.repair_budget + max(self.positions - 1, 1)
+        """Attention columns per row: resident, critical, one per speculated position."""
+        return self.n_res + self.k + max(self.positions - 1, 1)
 
 
 @dataclass
@@ -285,12 +285,10 @@ class PlanInputs:
     store: PredictionStore
     make_index: object  # Callable[[str], KeyBlockIndex]
     miss_policy: str
-    repair_budget: int
     hit_rate_sample: float
     rng: random.Random
     real_query: str = "never"
     sampling: str = "coupled"
-    repair_fraction: float = 1.0
 
 
 def _history(st, token: int) -> list[int]:
@@ -336,7 +334,7 @@ def _speculate(rows: list[_Row], inp: PlanInputs, on_verify) -> None:
 
 def _index_locations(r: _Row) -> tuple[str, ...]:
     """Where a row's blocks must be summarised: its selector's index, and the host index for every
-    lookahead row (a repair ranks the real query there)."""
+    lookahead row (verification ranks the real query there)."""
     if r.kind == "full":
         return ()
     locs = {r.selector.index_location} - {None}
@@ -461,12 +459,11 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
     inp.store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
                                    max((rows[j].st.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
-    repair = [j for j in range(n_ahead) if rows[j].rejected and (rows[j].st.miss_policy or inp.miss_policy) == "repair"]
-    budget = repair_budget(inp, [rows[j].st.top_k for j in repair], [rows[j].cand.numel() for j in repair])
+    verify = [j for j in range(n_ahead) if (rows[j].st.miss_policy or inp.miss_policy) == "verify"]
     n_res = max(int(r.dev_pos.numel()) for r in rows)
     positions = qidx.shape[1]
     own = max(positions - 1, 1)
-    cols = n_res + k + budget + own
+    cols = n_res + k + own
     dev = fb.input_ids.device
     exact = [(j, _exact_cols(rows[j], n_res)) for j in range(n_ahead, n_fixed)]
     exact = [(j, c) for j, c in exact if c is not None]
@@ -484,12 +481,11 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         k=k,
         n_res=n_res,
         res_slots=_resident_slots(fb, rows, inp.req_to_token, n_res).to(dev),
-        repair_rows=torch.tensor(repair, dtype=torch.int64),
-        repair_budget=budget,
+        verify_rows=torch.tensor(verify, dtype=torch.int64),
         positions=positions,
         qidx=qidx.to(dev),
         **_spec_fields(rows, spec, spec_tok, cols - own, dev),
-        mask=_mask(rows, n_res, k, budget, set(repair), positions, cols).to(dev),
+        mask=_mask(rows, n_res, k, positions, cols).to(dev),
         top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
         sampled=torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64),
         rejected=tuple(r.rejected for r in rows),
@@ -525,17 +521,6 @@ def _spec_fields(rows: list[_Row], spec: list, spec_tok: dict, first_col: int, d
         "spec_cols": t([first_col + s for _, s, _ in spec]),
         "spec_states": tuple((rows[j].pred.spec, s) for j, s, _ in spec),
     }
-
-
-def repair_budget(inp: PlanInputs, top_ks: list[int], candidates: list[int]) -> int:
-    """Repair columns of a step whose repairing rows have these ``top_k`` and host ``candidates``
-    (none: 0): the preset's ``repair_budget``, or ``ceil(repair_fraction x max(top_k))`` where that
-    is more, but no more than the fewest candidates a row does not hold (``candidates - top_k``, at
-    least 1 for a lookahead row), so a repair never picks a held token twice."""
-    if not top_ks:
-        return 0
-    want = max(inp.repair_budget, math.ceil(inp.repair_fraction * max(top_ks)))
-    return max(1, min(want, *(c - k for c, k in zip(candidates, top_ks, strict=True))))
 
 
 def _exact_cols(r: _Row, n_res: int) -> torch.Tensor | None:
@@ -587,8 +572,8 @@ def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_
     return out
 
 
-def _mask(rows: list[_Row], n_res: int, k: int, budget: int, repair: set, positions: int, cols: int) -> torch.Tensor:
-    """``[R, positions, cols]`` bool: resident, critical (row's own length), repair, then each
+def _mask(rows: list[_Row], n_res: int, k: int, positions: int, cols: int) -> torch.Tensor:
+    """``[R, positions, cols]`` bool: resident, critical (row's own length), then each
     speculated position's own column (read by that position only)."""
     n = len(rows)
     m = torch.zeros(n, positions, cols, dtype=torch.bool)
@@ -597,8 +582,6 @@ def _mask(rows: list[_Row], n_res: int, k: int, budget: int, repair: set, positi
         m[j, :, : r.dev_pos.numel()] = True
         kk = r.cand.numel() if r.kind == "full" else r.st.top_k
         m[j, :, n_res : n_res + kk] = True
-        if j in repair:
-            m[j, :, n_res + k : n_res + k + budget] = True
         for s in range(len(r.spec_tokens)):
             m[j, 1 + s, first_own + s] = True
     return m

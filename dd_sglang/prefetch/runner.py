@@ -13,16 +13,20 @@ The attention backend calls, per decode step and layer::
    critical-set K/V from the host tier into the layer's ring slot, ``depth``
    layers ahead, :mod:`dd_sglang.prefetch.schedule`);
 2. selects and gathers the *sync* rows' sets (one selector call per selector
-   in the batch) and the *repair* columns of rows whose speculation missed;
+   in the batch), and verifies the *ahead* rows' prefetched sets against the
+   real query's own (``prefetch.miss_policy: verify``, :mod:`dd_sglang.prefetch.verify`):
+   the tokens the prediction missed replace the ones it should not have
+   fetched, copied synchronously, so each layer attends the set ``host_sync``
+   would choose;
 3. gathers the resident set from the device pool (one index per K and V) and
    writes each speculated position's own K/V into its column;
 4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
    columns each query reads).
 
 With ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU device with the C
-kernel, for a step of at least 6 (row, KV head) pairs) nothing is copied in step 1, nor for the sync rows and repairs in step
-2: the step keeps each layer's critical sets as host slots (``[layers, R, Hkv,
-k + repair_budget]``, -1 where a column is not read in place) and the fused C
+kernel, for a step of at least 6 (row, KV head) pairs) nothing is copied in step 1, nor for the sync rows and verified
+sets in step 2: the step keeps each layer's critical sets as host slots (``[layers, R, Hkv,
+k]``, -1 where a column is not read in place) and the fused C
 attention reads those rows from the host tier itself, as it reads the
 resident set from the device pool. On a CPU the two tiers are the same memory:
 a copy into the ring would read every row once to write it, then again to
@@ -42,7 +46,7 @@ layers in one call per selector (:meth:`Selector.select_layers`): the same
 sets, with each small operation dispatched once per chunk instead of once per
 layer. A chunk holds as many layers as keep the selection's float32 scores
 within :data:`SELECT_CHUNK_BYTES`: in ``bench.decode_speed`` on 2 cores (SmolLM2,
-``bench/results/decode_speed_per_layer_select_cpu.json`` against commit
+``bench/results/archive/decode_speed_per_layer_select_cpu.json`` against commit
 be9441f's ``decode_speed_cpu.json``) chunks cut the selection from 38 to 18 ms
 per step at 4k x 1 and left it at ~120 ms at 4k x 8, where scores of more
 layers at once no longer fit the caches.
@@ -72,6 +76,7 @@ from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build
 from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
 from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
+from dd_sglang.prefetch.verify import verify_sets
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +87,8 @@ SELECT_CHUNK_LAYERS = 10
 #: ``prefetch.select: auto`` on a CPU with 2+ intra-op threads: a sparse step with at least this many
 #: rows selecting ahead runs as ``split`` (the selection on the select worker, the forward's own
 #: operations on one thread), a smaller one inline. ``bench.decode_speed`` on 2 cores, 4k tokens, split
-#: over inline tokens/s: 0.89x at 1 row (``bench/results/decode_speed_split_cpu.json``), 0.86x at 4 and
-#: 1.06x at 8 rows (``bench/results/decode_speed_select_auto_cpu.json``, run with this at 4). The
+#: over inline tokens/s: 0.89x at 1 row (``bench/results/archive/decode_speed_split_cpu.json``), 0.86x at 4 and
+#: 1.06x at 8 rows (``bench/results/archive/decode_speed_select_auto_cpu.json``, run with this at 4). The
 #: worker's single-thread selection took 2.2-2.8x the inline two-thread time (memory and the GIL
 #: shared with the forward), so only from 8 rows does moving it off the forward thread pay for the
 #: forward's own operations on one thread.
@@ -91,7 +96,7 @@ SPLIT_MIN_ROWS = 8
 
 
 def use_native_kernel(kernel: str) -> bool:
-    """Whether ``spec_host`` and the repairs use the C kernel, for ``prefetch.kernel`` = ``kernel``.
+    """Whether ``spec_host``, ``host_sync`` and verification use the C kernel, for ``prefetch.kernel`` = ``kernel``.
 
     Raises:
         RuntimeError: ``kernel`` is ``native`` and the kernel cannot be built here (the reason).
@@ -122,7 +127,17 @@ class PrefetchEvents:
         """A request's speculated token was checked against the real one."""
 
     def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
-        """``n`` lookahead (request, layer)s ran after a rejected speculation under ``policy``."""
+        """``n`` lookahead (request, layer)s' prefetched sets missed tokens of the real query's set:
+        ``verify`` fetched ``repaired_tokens`` of them before attention; ``use_prefetched`` (counted
+        after a rejected speculation) attended over what arrived."""
+
+    def verified(self, selector: str, speculator: str, hits: int, lookups: int) -> None:
+        """A step's verified lookahead (request, layer)s: ``hits`` of ``lookups`` (= top_k x KV heads,
+        summed) tokens of the real query's set had been prefetched."""
+
+    def recall(self, selector: str, speculator: str, held: int, lookups: int) -> None:
+        """A sampled lookahead (request, layer): ``held`` of ``lookups`` tokens of ``host_sync``'s set for
+        the real query (selected again, apart from the step) were in the set the layer attended."""
 
     def transfer(self, timings) -> None:
         """The transfer schedule finished a step (per-layer timestamps)."""
@@ -146,16 +161,23 @@ class StepTally:
         self.phases: dict[str, float] = {}
         self.copied = 0
         self.misses: dict[str, list[int]] = {}
+        self.verified: dict[tuple[str, str], list[int]] = {}
 
     def phase(self, name: str, seconds: float) -> None:
         """Add ``seconds`` to phase ``name`` (:meth:`PrefetchEvents.phase`)."""
         self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
-        """Count ``n`` (request, layer) misses under ``policy`` and their repaired tokens (:meth:`PrefetchEvents.miss`)."""
+        """Count ``n`` (request, layer) misses under ``policy`` and their fetched tokens (:meth:`PrefetchEvents.miss`)."""
         m = self.misses.setdefault(policy, [0, 0])
         m[0] += n
         m[1] += repaired_tokens
+
+    def verify(self, label: tuple[str, str], hits: int, lookups: int) -> None:
+        """Add a layer's verified hits and lookups under ``(selector, speculator)`` (:meth:`PrefetchEvents.verified`)."""
+        v = self.verified.setdefault(label, [0, 0])
+        v[0] += hits
+        v[1] += lookups
 
     def flush(self, events: PrefetchEvents) -> None:
         """Report what was counted to ``events`` and start again from zero."""
@@ -165,7 +187,9 @@ class StepTally:
             events.copied(self.copied)
         for policy, (n, tokens) in self.misses.items():
             events.miss(policy, n, tokens)
-        self.phases, self.copied, self.misses = {}, 0, {}
+        for (selector, speculator), (hits, lookups) in self.verified.items():
+            events.verified(selector, speculator, hits, lookups)
+        self.phases, self.copied, self.misses, self.verified = {}, 0, {}, {}
 
 
 def _chunk_layers(g, q: torch.Tensor) -> int:
@@ -188,7 +212,7 @@ def _selection_queries(q3: torch.Tensor, query: torch.Tensor, hkv: int) -> torch
 def _plan_inputs(params: PrefetchParams, req_to_token: torch.Tensor, store: PredictionStore, make_index,
                  native: bool, seed: int) -> PlanInputs:  # fmt: skip
     """The runner's :class:`PlanInputs`: one selector per name of :data:`SELECTORS` (the C kernel
-    where ``native``), one speculator per name of :data:`SPECULATORS`, the preset's miss, repair,
+    where ``native``), one speculator per name of :data:`SPECULATORS`, the preset's miss policy,
     sampling and hit-rate settings, and a hit-rate sampling RNG seeded with ``seed``."""
     return PlanInputs(
         req_to_token=req_to_token,
@@ -197,8 +221,6 @@ def _plan_inputs(params: PrefetchParams, req_to_token: torch.Tensor, store: Pred
         store=store,
         make_index=make_index,
         miss_policy=params.miss_policy,
-        repair_budget=params.repair_budget,
-        repair_fraction=params.repair_fraction,
         hit_rate_sample=params.hit_rate_sample,
         rng=random.Random(seed),
         real_query=params.real_query,
@@ -257,7 +279,7 @@ class SparseStepRunner:
         #: by slot (:attr:`_crit`); no ring copy.
         self.in_place = self.fast and host.v.is_contiguous() and (params.transfer == "in_place"
                                                                    or (params.transfer == "auto" and cpu))  # fmt: skip
-        #: The step's in-place critical sets: ``[layers, R, Hkv, k + repair_budget]`` host slots, -1
+        #: The step's in-place critical sets: ``[layers, R, Hkv, k]`` host slots, -1
         #: where a column is not read in place; None when the step copies into the ring.
         self._crit: torch.Tensor | None = None
         self._crit_rows = 0  # host rows (K or V, per KV head) the step's fixed rows read in place, per layer
@@ -273,6 +295,9 @@ class SparseStepRunner:
         self._sel_next: list[int] = []  # per ahead group, the first layer not yet selected
         self._sel_chunk: list[int | None] = []  # per ahead group, its layers per selection call
         self._use_misses = 0
+        #: Sampled steps (``plan.sampled``): per layer, the ahead rows' attended critical sets
+        #: (``[n_ahead, Hkv, k]`` host slots), for the recall measurement of :meth:`_measure`.
+        self._attended: dict[int, torch.Tensor] = {}
         self.tally = StepTally()
         self._slot: tuple | None = None  # the layer's ring slot and device-pool K/V, for attend()
         self._taken_for: StepPlan | None = None  # :meth:`_blocks_of`'s plan and its taken blocks
@@ -281,12 +306,13 @@ class SparseStepRunner:
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
         self.inputs = _plan_inputs(params, req_to_token, self.store, self.index, self.native, seed)
         self._exact = SELECTORS["oracle"]()
-        self._repair_scorer = make_selector("spec_host", params.rerank, self.native)
+        #: ``prefetch.miss_policy: verify``: the real query's set, chosen as ``host_sync`` chooses it.
+        self._verifier = self.inputs.selectors["host_sync"]
 
     # ------------------------------------------------------------------ state
     def index(self, location: str) -> KeyBlockIndex | QuantKeyIndex:
         """The index at ``location``, created on first use: ``"host"``, the int8 key index
-        ``spec_host`` and repairs read (host memory); ``"device"``, ``quest_device``'s block index."""
+        ``spec_host``, ``host_sync`` and verification read (host memory); ``"device"``, ``quest_device``'s block index."""
         idx = self.indexes.get(location)
         if idx is None:
             if location == "host":
@@ -306,16 +332,16 @@ class SparseStepRunner:
         return {"quest_device": dev.nbytes} if dev is not None else {}
 
     def host_index_bytes(self) -> int:
-        """Host bytes of the int8 key index ``spec_host`` and repairs read."""
+        """Host bytes of the int8 key index ``spec_host``, ``host_sync`` and verification read."""
         idx = self.indexes.get("host")
         return idx.nbytes if idx is not None else 0
 
     def critical_bytes(self, plan: StepPlan | None) -> int:
-        """Bytes of the ring's critical-set and repair columns (every slot, reserved rows), K and V."""
+        """Bytes of the ring's critical-set columns (every slot, reserved rows), K and V."""
         if plan is None or not self.ring.shape:
             return 0
         n_slots, rows, hkv, _, d = self.ring.shape
-        return 2 * n_slots * rows * hkv * (plan.k + plan.repair_budget) * d * self.ring.dtype.itemsize
+        return 2 * n_slots * rows * hkv * plan.k * d * self.ring.dtype.itemsize
 
     def release(self, rid: str) -> None:
         """Drop a request's prediction state (the KV-cache runtime's release callback)."""
@@ -331,8 +357,10 @@ class SparseStepRunner:
         self._pending = [{} for _ in plan.ahead] if plan is not None else []
         self._sel_next = [0 for _ in plan.ahead] if plan is not None else []
         self._sel_chunk = [None for _ in plan.ahead] if plan is not None else []
-        if plan is not None:  # rows whose rejected speculation is not repaired: counted each layer
-            self._use_misses = sum(plan.rejected[: plan.n_ahead]) - int(plan.repair_rows.numel())
+        if plan is not None:  # rows whose rejected speculation is not verified: counted each layer
+            verified = set(plan.verify_rows.tolist())
+            self._use_misses = sum(plan.rejected[j] and j not in verified for j in range(plan.n_ahead))
+            self._attended = {}
         if plan is None:
             self.schedule.end_step()
             self.ring.release()
@@ -374,7 +402,7 @@ class SparseStepRunner:
         With ``prefetch.transfer`` ``auto``, only a step with at least
         :data:`~dd_sglang.kernels.native.ATTEND_PARALLEL_TASKS` (row, KV head) tasks: below that the
         attention runs on one thread, and scattered host rows read there cost more than a copy on
-        every thread (``bench/results/decode_speed_cpu.json``, commit 473b559: in place over inline
+        every thread (``bench/results/archive/decode_speed_cpu.json``: in place over inline
         0.97x at batch 1, 1.05x at 4k x 8)."""
         if not self.in_place or self.ring.dtype != self.host.k.dtype:
             return False
@@ -387,7 +415,7 @@ class SparseStepRunner:
         if plan.exact_rows:
             return None
         n_layers, hkv = self.host.layer_num, self.host.k.shape[2]
-        crit = torch.full((n_layers, plan.num_rows, hkv, plan.k + plan.repair_budget), -1, dtype=torch.int64)
+        crit = torch.full((n_layers, plan.num_rows, hkv, plan.k), -1, dtype=torch.int64)
         if plan.n_fixed:
             reads = plan.mask[: plan.n_fixed, 0, plan.n_res : plan.n_res + plan.k].to("cpu")  # [n_fixed, k]
             crit[:, : plan.n_fixed, :, : plan.k] = torch.where(reads[None, :, None, :], plan.fixed_slots, -1)
@@ -461,10 +489,12 @@ class SparseStepRunner:
         t0 = time.perf_counter()
         for g in plan.sync:
             self._sync_select(plan, g, layer, q3, scale)
-        if plan.repair_rows.numel():
-            self._repair(plan, layer, q3, scale)
+        if plan.verify_rows.numel():
+            self._verify(plan, layer, q3, scale, slot_k, slot_v)
+        elif plan.sampled.numel():
+            self._attended[layer] = plan.fixed_slots[layer][: plan.n_ahead]
         t1 = time.perf_counter()
-        if plan.sync or plan.repair_rows.numel():
+        if plan.sync or plan.verify_rows.numel():
             self.tally.phase("select", t1 - t0)
         fast = self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous()
         fused = fast and self._fused(plan, q3, k_buf, v_buf)
@@ -596,22 +626,45 @@ class SparseStepRunner:
         if g.selector.lookahead:
             self.events.cold(g.selector.name, int(g.rows.numel()))
 
-    def _repair(self, plan, layer, q3, scale) -> None:
-        """Rows whose speculation missed: the ``repair_budget`` best non-prefetched candidates of
-        the real query, per KV head, into the repair columns (a synchronous gather).
-
-        The real query scores the candidates with the host-tier int8 key index (every lookahead
-        row is indexed there) and re-ranks the best exactly, as ``spec_host`` does for its own
-        query: a repair reads ``rerank x (k + repair_budget)`` exact keys per KV head.
-        """
-        rows = plan.repair_rows
-        blocks = self._blocks_of(plan, "repair", rows)
+    def _verify(self, plan, layer, q3, scale, slot_k, slot_v) -> None:
+        """The verified rows' attended sets (module docstring, step 2): the real query's set, chosen as
+        ``host_sync`` chooses it, with the prefetched tokens kept in place and the misses fetched now
+        (into the in-place table, or copied into the ring slot's freed columns)."""
+        rows = plan.verify_rows
+        blocks = self._blocks_of(plan, "verify", rows)
         q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
-        budget = plan.repair_budget
-        slots = self._repair_scorer.repair(q, blocks, self.host.k[layer], plan.k, budget, plan.fixed_pos[layer][rows],
-                                           plan.top_k[rows], scale, self.index("host"), layer)  # fmt: skip
-        self._put(plan, layer, rows, slots, plan.n_res + plan.k)
-        self.tally.miss("repair", int(rows.numel()), int(rows.numel()) * slots.shape[1] * budget)
+        want_pos, want_slots = self._verifier.select(q, blocks, self.host.k[layer], plan.k, scale, self.index("host"),
+                                                     layer)  # fmt: skip
+        top_k = plan.top_k[rows]
+        v = verify_sets(plan.fixed_pos[layer][rows], plan.fixed_slots[layer][rows], want_pos, want_slots, top_k)
+        fetched = int(v.fetched.sum())
+        if self._crit is not None:
+            self._crit[layer, rows, :, : plan.k] = torch.where(self._crit[layer, rows, :, : plan.k] >= 0, v.slots, -1)
+            self.tally.copied += 2 * fetched * self.host.k.shape[3] * self.host.k.element_size()
+        elif fetched:
+            self._fetch_columns(plan, layer, rows, v, slot_k, slot_v)
+        hkv = want_pos.shape[1]
+        for i, j in enumerate(rows.tolist()):
+            self.tally.verify(plan.labels[j], int(v.hits[i]), hkv * int(top_k[i]))
+        self.tally.miss("verify", int(v.fetched.any(dim=2).sum()), fetched)
+        if plan.sampled.numel():  # what attention reads: the in-place table, else the ring's columns
+            if self._crit is not None:
+                attended = self._crit[layer, : plan.n_ahead].clone()
+            else:
+                attended = plan.fixed_slots[layer][: plan.n_ahead].clone()
+                attended[rows] = v.slots
+            self._attended[layer] = attended
+
+    def _fetch_columns(self, plan, layer, rows, v, slot_k, slot_v) -> None:
+        """Copy the host-tier K/V of the verified sets' fetched columns (``v.fetched``) into the ring
+        slot's critical-set columns of plan rows ``rows`` (a synchronous gather of the misses only)."""
+        r, h, c = v.fetched.nonzero(as_tuple=True)
+        src = v.slots[r, h, c]
+        dst_rows, dst_cols = rows[r].to(slot_k.device), (plan.n_res + c).to(slot_k.device)
+        dst_heads = h.to(slot_k.device)
+        for host, slot in ((self.host.k[layer], slot_k), (self.host.v[layer], slot_v)):
+            slot[dst_rows, dst_heads, dst_cols] = host[src, h].to(slot.device, slot.dtype, non_blocking=True)
+        self.tally.copied += 2 * int(src.numel()) * self.host.k.shape[3] * self.host.k.element_size()
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
         """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
@@ -644,7 +697,8 @@ class SparseStepRunner:
             self.schedule.submit_select(select)
         if plan.sampled.numel():
             q = q3[plan.qidx[plan.sampled.to(plan.qidx.device), 0]].detach().to("cpu", copy=True)
-            self.schedule.submit_select(lambda: self._measure(plan, layer, q, scale))
+            attended = self._attended.get(layer)
+            self.schedule.submit_select(lambda: self._measure(plan, layer, q, scale, attended))
         if self._use_misses > 0:
             self.tally.miss("use_prefetched", self._use_misses, 0)
         if last:
@@ -672,7 +726,7 @@ class SparseStepRunner:
             self._sel_next[gi] = layer + 1
 
     def _blocks_of(self, plan: StepPlan, name: str, rows: torch.Tensor):
-        """``plan.blocks.take(rows)`` for the plan's ``name`` rows (``repair``, ``sampled``), taken once
+        """``plan.blocks.take(rows)`` for the plan's ``name`` rows (``verify``, ``sampled``), taken once
         per step: every layer reads the same rows, and the taken blocks keep their ``tokens``."""
         if self._taken_for is not plan:
             self._taken_for, self._taken = plan, {}
@@ -700,9 +754,14 @@ class SparseStepRunner:
             nxt.put_layers(l0, g.dest, pos, slots)
         self.tally.phase("select_ahead", time.perf_counter() - t0)
 
-    def _measure(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> None:
-        """Hit rate of the sampled rows' prefetched sets against the exact top-k of the real query."""
+    def _measure(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float,
+                 attended: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Hit rate of the sampled rows' prefetched sets against the exact top-k of the real query;
+        with ``attended`` (``[n_ahead, Hkv, k]`` host slots the layer attended), the recall of that
+        set against ``host_sync``'s set for the same real query, selected here again."""
         rows = plan.sampled
+        if attended is not None:
+            self._measure_recall(plan, layer, q, scale, attended[rows])
         blocks = self._blocks_of(plan, "sampled", rows)
         host_k = self.host.k[layer]
         kr = plan.top_k[rows].view(-1, 1, 1)
@@ -718,6 +777,23 @@ class SparseStepRunner:
             sel, spec = plan.labels[j]
             self.events.prefetch(sel, spec, layer, int(hits[i]), hkv * int(kr[i]),
                                  float(mass_have[i]), float(mass_top[i]))  # fmt: skip
+
+    def _measure_recall(self, plan: StepPlan, layer: int, q: torch.Tensor, scale: float, attended: torch.Tensor):
+        """Tokens of ``host_sync``'s set for the sampled rows' real queries ``q`` that their attended sets
+        (``[n, Hkv, k]`` host slots) hold, per row (:meth:`PrefetchEvents.recall`)."""
+        rows = plan.sampled
+        blocks = self._blocks_of(plan, "sampled", rows)
+        _, want = self._verifier.select(q, blocks, self.host.k[layer], plan.k, scale, self.index("host"), layer)
+        kr = plan.top_k[rows].view(-1, 1, 1)
+        cols = torch.arange(plan.k)
+        big = torch.iinfo(torch.int64).max  # padding past a row's top_k: matches no slot
+        held = torch.where(cols < kr, attended, big).sort(dim=2).values
+        at = torch.searchsorted(held, want).clamp(max=plan.k - 1)
+        found = (held.gather(2, at) == want) & (cols < kr)
+        hkv = want.shape[1]
+        for i, j in enumerate(rows.tolist()):
+            sel, spec = plan.labels[j]
+            self.events.recall(sel, spec, int(found[i].sum()), hkv * int(kr[i]))
 
     def _measure_torch(self, plan, blocks, host_k, q, kr, have, scale):
         """:meth:`_measure`'s counts with PyTorch operations: ``(hits, mass_have, mass_top)`` per row."""

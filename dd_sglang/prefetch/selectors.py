@@ -258,41 +258,6 @@ class SpecHostSelector(Selector):
         return native_kernel.spec_host_select(q.float(), slots, ok, index.q8[layers], index.scale[layers],
                                               host_k, k, self._m(k), scale, out)  # fmt: skip
 
-    def repair(
-        self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, budget: int,
-        have: torch.Tensor, held_n: torch.Tensor, scale: float, index: QuantKeyIndex, layer: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """One layer's repair after a missed prediction: per row and KV head, the ``budget`` best
-        candidates of the real query that the row does not hold yet, best first.
-
-        Among the ``k + budget`` best (the same ``rerank x (k + budget)`` candidates re-ranked
-        exactly), at most ``k`` are held, so these are the best ``budget`` not held among all
-        re-ranked candidates. The C kernel skips the held positions itself; PyTorch masks them.
-
-        Args:
-            q: ``[rows, num_q_heads, head_dim]`` the real queries; host_k ``[host_slots, Hkv, D]``.
-            k: the size of the held sets; have: ``[rows, Hkv, k]`` int64 held positions, of which
-                the first ``held_n[row]`` (``[rows]`` int64) are valid.
-
-        Returns:
-            ``[rows, Hkv, budget]`` int64 host slots.
-        """
-        slots, ok = rows.tokens
-        m = self._m(k + budget)
-        if (self.native and m < slots.shape[-1] and q.shape[1] <= native_kernel.MAX_QUERIES
-                and q.shape[2] <= native_kernel.MAX_HEAD_DIM):  # fmt: skip
-            layers = slice(layer, layer + 1)
-            _, out = native_kernel.spec_host_select(q[None].float(), slots, ok, index.q8[layers],
-                                                    index.scale[layers], host_k[None], budget, m, scale,
-                                                    held=(have[None], held_n))  # fmt: skip
-            return out[0]
-        pos, cand_slots, score = self.score(q, rows, host_k, k + budget, scale, index, layer)
-        valid = torch.arange(have.shape[2]) < held_n.view(-1, 1, 1)
-        held = torch.zeros(*have.shape[:2], rows.cand.shape[1], dtype=torch.bool)  # by position
-        held.scatter_(2, torch.where(valid, have, 0), valid.expand_as(have))
-        top = score.masked_fill(held.gather(2, pos), float("-inf")).topk(budget, dim=-1).indices
-        return cand_slots.gather(-1, top)
-
     def score_layers(self, q, rows, host_k, k, scale, index, layers):
         slots, ok = rows.tokens
         m = self._m(k)
@@ -318,11 +283,12 @@ class HostSyncSelector(SpecHostSelector):
 
     The same int8 host-tier index and exact re-ranking of the best ``rerank x k`` (same C
     kernel), driven by the real query of the step being computed instead of a speculated one:
-    no token rides, no step repairs, and the set's recall against the exact top-k is the
+    no token rides, nothing is verified, and the set's recall against the exact top-k is the
     index's (``bench.index_recall``: 0.999 at k 256, 4k and 7.9k tokens). The cost is the
     schedule: the set is known only once the layer's query is, so its selection and copy sit
     in front of the layer's attention, with nothing to overlap them. The index lives in host
-    memory: no device bytes.
+    memory: no device bytes. Verification (``prefetch.miss_policy: verify``,
+    :mod:`dd_sglang.prefetch.verify`) makes every lookahead row attend this selector's set.
     """
 
     name = "host_sync"

@@ -35,9 +35,6 @@ N_LAYERS = 30  # SmolLM2-135M
 PROMPT_TARGET = 2100  # passkey_prompt size target: ~1,980 tokens (long prompts: 1,024+ go sparse)
 RESIDENT_BOUND = 4 + 0 + 128 + 64  # n_sink + n_keep + n_recent + page_size (default preset)
 DEPTH = 2  # prefetch.depth (default preset)
-# Ring columns for a rejected speculation's repair at top_k 256 on a ~2k prompt (default preset):
-# max(prefetch.repair_budget 32, ceil(prefetch.repair_fraction 1.0 x top_k)), no more than the unheld candidates.
-REPAIR_BUDGET = 256
 
 
 def kv_row_bytes(srv) -> int:
@@ -207,32 +204,54 @@ def test_every_combination_at_top_256_finds_the_passkey(dd_server, combo_prompt,
         assert 0 < stats["prefetch_hit_rate_by_speculator"][f"{selector}/{spec}"] <= 1
 
 
-def test_repair_policy_fetches_the_missing_tokens_after_a_rejected_speculation(dd_server, combo_prompt):
-    """miss_policy repair (per-request override): every layer of every step whose speculated token was
-    rejected fetches REPAIR_BUDGET (256: repair_fraction 1 x top_k) missing tokens per KV head
-    synchronously; nothing else does."""
+def _generate(srv, ids, custom, seed, temperature=0.8, n=24):
+    sampling = {"temperature": temperature, "top_p": 0.95, "sampling_seed": seed, "max_new_tokens": n,
+                "ignore_eos": True, "custom_params": custom}  # fmt: skip
+    r = httpx.post(f"{srv.url}/generate", json={"input_ids": ids, "sampling_params": sampling}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == n
+
+
+def _recall(after, before, selector, speculator):
+    lab = f'{{selector="{selector}",speculator="{speculator}"}}'
+    return (delta(after, before, f"dd_critical_set_recall_held_total{lab}"),
+            delta(after, before, f"dd_critical_set_recall_lookups_total{lab}"),
+            delta(after, before, f"dd_prefetch_verified_hits_total{lab}"),
+            delta(after, before, f"dd_prefetch_verified_lookups_total{lab}"))  # fmt: skip
+
+
+@pytest.mark.parametrize("custom", [{}, {"dd_selector": "spec_host", "dd_speculator": "ngram"}],
+                         ids=["default", "spec_host-ngram"])  # fmt: skip
+def test_every_sparse_layer_attends_host_syncs_set_for_its_real_query(dd_server, combo_prompt, custom):
+    """Guaranteed recall (prefetch.miss_policy verify, the default), on real decode steps of the embedded
+    model, sampled (T 0.8, top_p 0.95; with ngram's prompt lookup at T 1.5, whose guesses miss often):
+    on every step after the first (hit_rate_sample 1) and every layer, the sidecar's recall counters
+    say the set the layer attended held all of host_sync's top-k for the real query, which the runner
+    selects again apart from the step and compares with the columns attention read. The prediction
+    itself missed some of them (verified hits below lookups), and exactly those were fetched."""
+    spec = custom.get("dd_speculator", "dual_token")
     before = metrics(dd_server)
-    custom = {"dd_selector": "spec_host", "dd_speculator": "ngram", "dd_miss_policy": "repair"}
-    lab = '{speculator="ngram"}'
-    # Prompt lookup guesses a high-temperature sample wrongly on some steps, but a continuation that copies
-    # the prompt (the pass key, then its sentence again) can be guessed right at every step: further seeds
-    # until one fails. (dual_token's guess under coupled sampling is the sampled token on most steps.)
-    for seed in (7, 8, 9, 10):
-        sampling = {"temperature": 1.5, "sampling_seed": seed, "max_new_tokens": 24, "ignore_eos": True}
-        r = httpx.post(f"{dd_server.url}/generate", timeout=600,
-                       json={"input_ids": combo_prompt[1], "sampling_params": {**sampling, "custom_params": custom}})  # fmt: skip
-        assert r.status_code == 200, r.text
-        assert len(r.json()["output_ids"]) == 24
-        after = metrics(dd_server)
-        proposed = delta(after, before, f"dd_spec_proposed_total{lab}")
-        rejected = proposed - delta(after, before, f"dd_spec_accepted_total{lab}")
-        if rejected > 0:
-            break
-    assert proposed > 0 and rejected > 0, (proposed, rejected)
-    repairs = delta(after, before, 'dd_prefetch_misses_total{policy="repair"}')
-    assert repairs == rejected * N_LAYERS
-    assert delta(after, before, "dd_prefetch_repaired_tokens_total") == repairs * 3 * REPAIR_BUDGET
+    _generate(dd_server, combo_prompt[1], custom, seed=7, temperature=0.8 if spec == "dual_token" else 1.5)
+    after = metrics(dd_server)
+    held, lookups, hits, verified = _recall(after, before, "spec_host", spec)
+    assert lookups == (24 - 2) * N_LAYERS * 3 * 256  # every step after the cold one, every layer and KV head
+    assert held == lookups
+    assert verified == lookups and 0 < hits < verified, (hits, verified)
+    assert delta(after, before, "dd_prefetch_repaired_tokens_total") == verified - hits
     assert delta(after, before, 'dd_prefetch_misses_total{policy="use_prefetched"}') == 0
+
+
+def test_use_prefetched_attends_what_arrived_and_its_recall_shows_it(dd_server, combo_prompt):
+    """The recall check can fail: with miss_policy use_prefetched (per-request override) and prompt lookup
+    at T 1.5, the attended set is the prefetched one, and it misses part of host_sync's set; nothing is
+    verified or fetched."""
+    custom = {"dd_selector": "spec_host", "dd_speculator": "ngram", "dd_miss_policy": "use_prefetched"}
+    before = metrics(dd_server)
+    _generate(dd_server, combo_prompt[1], custom, seed=8, temperature=1.5)
+    after = metrics(dd_server)
+    held, lookups, _, verified = _recall(after, before, "spec_host", "ngram")
+    assert lookups == (24 - 2) * N_LAYERS * 3 * 256 and 0 < held < lookups, (held, lookups)
+    assert verified == 0 and delta(after, before, "dd_prefetch_repaired_tokens_total") == 0
 
 
 def test_coupled_sampling_guesses_the_sampled_token(dd_server, combo_prompt):
@@ -298,14 +317,13 @@ def stream_and_sample(srv, prompt: str, custom: dict, n_tokens: int = 80, at: in
 def test_device_bytes_of_selection_state(dd_server, tokenizer):
     """quest_device keeps its key-block index on the device (1/16 of the host tier's bytes); spec_host keeps
     its int8 key index in host memory and no device selection state; the layer ring stays within
-    2 x (w+1) x batch x kv_heads x columns x head_dim x dtype bytes (columns: resident + critical +
-    repair + 1), and is given back when the server has no sparse request (the next prefill)."""
+    2 x (w+1) x batch x kv_heads x columns x head_dim x dtype bytes (columns: resident + critical + 1), and is given back when the server has no sparse request (the next prefill)."""
     prompt, n = passkey_prompt(tokenizer, PROMPT_TARGET, 0.3, 27182, header="Aux bytes. ")
     text, quest = stream_and_sample(dd_server, prompt, {"dd_selector": "quest_device"})
     assert len(text) > 0  # quest_device may miss the passkey at this budget (see the test above)
     capacity = quest["dd_host_tier_capacity_bytes"]
     assert quest['dd_selector_aux_bytes{selector="quest_device"}'] == capacity // 16
-    columns = RESIDENT_BOUND + 256 + REPAIR_BUDGET + 1
+    columns = RESIDENT_BOUND + 256 + 1
     bound = (DEPTH + 1) * 1 * columns * kv_row_bytes(dd_server)
     assert 0 < quest["dd_layer_ring_buffer_bytes"] <= bound
     text, spec = stream_and_sample(dd_server, prompt, {"dd_selector": "spec_host"})
@@ -314,11 +332,9 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
     # int8 K and a float32 scale per slot, layer and KV head, in host memory
     assert spec["dd_host_index_bytes"] == capacity // (2 * 64 * dd_server.kv_itemsize) * (64 + 4)
     assert 0 < spec["dd_layer_ring_buffer_bytes"] <= bound
-    # The critical-set columns: 256 of the ring's columns, K and V, every slot; REPAIR_BUDGET more on a
-    # step that repairs a rejected speculation.
-    assert spec["dd_critical_set_buffer_bytes"] in {
-        (DEPTH + 1) * 1 * cols * kv_row_bytes(dd_server) for cols in (256, 256 + REPAIR_BUDGET)
-    }
+    # The critical-set columns: 256 of the ring's columns, K and V, every slot (verification swaps
+    # the prediction's misses into them: no extra columns).
+    assert spec["dd_critical_set_buffer_bytes"] == (DEPTH + 1) * 1 * 256 * kv_row_bytes(dd_server)
 
 
 @pytest.mark.parametrize(
@@ -337,7 +353,7 @@ def test_device_bytes_of_selection_state(dd_server, tokenizer):
         ),
         (
             {"dd_miss_policy": "ignore"},
-            "custom_params.dd_miss_policy must be one of ['use_prefetched', 'repair']",
+            "custom_params.dd_miss_policy must be one of ['verify', 'use_prefetched']",
         ),
         ({"dd_topk": 64}, "custom_params.dd_topk is not a dd_sglang override"),
     ],
