@@ -40,27 +40,65 @@ class Endpoint:
     start_seconds: float | None = None  # None: handed in, not started here
 
 
-def preset_dict(hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None, prefetch: dict | None = None) -> dict:
-    """The default CPU preset (``configs/cpu-smollm2.yaml``, unvalidated) with
-    ``prefetch.hit_rate_sample`` set (1.0: every step measured) and, optionally,
-    ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory) and other
-    ``prefetch`` keys (``prefetch``: a dict merged into that section)."""
-    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-    preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
-    preset["prefetch"].update(prefetch or {})
-    if host_tier_bytes is not None:
-        preset["sparse"]["host_tier_bytes"] = host_tier_bytes
+def apply_sets(preset: dict, sets: dict | None) -> dict:
+    """``preset`` with each dotted key of ``sets`` (``{"prefetch.rerank": 4}``) set, sections made as
+    needed; changed in place and returned."""
+    for dotted, value in (sets or {}).items():
+        *sections, key = dotted.split(".")
+        node = preset
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[key] = value
     return preset
 
 
-def bench_preset(tmp: Path, hit_rate_sample: float = 1.0, host_tier_bytes: int | None = None,
-                 prefetch: dict | None = None) -> Path:  # fmt: skip
+def preset_dict(hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None = None,
+                sets: dict | None = None) -> dict:  # fmt: skip
+    """The default CPU preset (``configs/cpu-smollm2.yaml``, unvalidated) as the benchmarks' servers run it:
+    ``prefetch.hit_rate_sample`` set (1.0: every step measured; None: the preset's), optionally
+    ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory), then
+    ``sets``: dotted keys (``--set``, :func:`parse_sets`)."""
+    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+    if hit_rate_sample is not None:
+        preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
+    if host_tier_bytes is not None:
+        preset["sparse"]["host_tier_bytes"] = host_tier_bytes
+    return apply_sets(preset, sets)
+
+
+def bench_preset(tmp: Path, hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None = None,
+                 sets: dict | None = None) -> Path:  # fmt: skip
     """:func:`preset_dict` written to a YAML file under ``tmp``; its path (for ``--dd-config``)."""
-    preset = preset_dict(hit_rate_sample, host_tier_bytes, prefetch)
-    tag = "_".join(f"{k}-{v}" for k, v in sorted((prefetch or {}).items()))
+    preset = preset_dict(hit_rate_sample, host_tier_bytes, sets)
+    tag = "_".join(f"{k}-{v}" for k, v in sorted((sets or {}).items()))
     path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}_{tag}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return path
+
+
+def parse_sets(items: list[str], flag: str = "--set") -> dict:
+    """``--set SECTION.KEY=VALUE`` items (repeatable; the value in YAML spelling: ``4``, ``torch``,
+    ``true``) as ``{"SECTION.KEY": value}``, checked against the preset schema
+    (:func:`dd_sglang.config.parse_config` of :func:`preset_dict` with them), so that a bad key or
+    value is refused, naming the key, before any server starts.
+
+    Raises:
+        ValueError: an item that is not ``SECTION.KEY=VALUE``, a key given twice, or the schema's
+            refusal (the message names ``flag`` and the dotted key).
+    """
+    from dd_sglang.config import ConfigError, parse_config
+
+    sets: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key or not all(key.split(".")) or key in sets:
+            raise ValueError(f"{flag} takes SECTION.KEY=VALUE, each key once (e.g. prefetch.rerank=4), got {item!r}")
+        sets[key] = yaml.safe_load(value)
+    try:
+        parse_config(preset_dict(sets=sets), flag)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+    return sets
 
 
 #: Servers started with ``served(..., keep=True)``; :func:`stop_left_running` stops them.
@@ -75,11 +113,11 @@ def stop_left_running() -> None:
 
 @contextlib.contextmanager
 def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, max_total_tokens: int,
-           hit_rate_sample: float = 1.0, keep: bool = False, prefetch: dict | None = None):  # fmt: skip
+           hit_rate_sample: float = 1.0, keep: bool = False, sets: dict | None = None):  # fmt: skip
     """Yield an :class:`Endpoint`: the given URLs, or a server started here and stopped on exit.
 
     ``backend``: ``torch_native`` (dense) or ``dualdecoder`` (the latter with
-    :func:`bench_preset`, its ``prefetch`` keys merged in). ``keep``: a server started here is left running (the
+    :func:`bench_preset`, ``sets`` applied: :func:`parse_sets`). ``keep``: a server started here is left running (the
     caller stops it: :data:`LEFT_RUNNING`) so a later phase can reuse it. Raises ``RuntimeError`` when a started server fails
     (the message carries its log tail).
     """
@@ -90,7 +128,7 @@ def served(backend: str, url: str | None, metrics_url: str | None, tmp: Path, ma
     if backend == "torch_native":
         extra += DENSE_FLAGS
     if backend == "dualdecoder":
-        extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample, prefetch=prefetch))]
+        extra += ["--dd-config", str(bench_preset(tmp, hit_rate_sample, sets=sets))]
     srv = start_server(tmp / f"{backend}.log", max_total_tokens, extra, timeout=900)
     if keep:
         LEFT_RUNNING.append(srv)

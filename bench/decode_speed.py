@@ -36,7 +36,7 @@ not, is outside that window); and, from the server's counters over the run (``dd
 step plan), ``select`` (choosing critical sets on the forward thread: cold
 starts, synchronous selectors, repairs), ``assemble`` (resident gather and
 attention inputs), ``exposed_wait`` (waiting for the layer copies; with
-``prefetch.transfer`` inline, the copies themselves), ``attention`` (dense and
+``experimental.transfer`` inline, the copies themselves), ``attention`` (dense and
 sparse attention calls) and ``rest`` (the rest of the model: projections,
 MLP, norms, logits, and SGLang's per-step work inside the forward). Work off
 the forward thread is reported beside it: ``select_ahead`` (next-step
@@ -44,19 +44,19 @@ selection on the select worker) and ``copy`` (the copy worker's gathers).
 With the selection inline (a CPU's default below 8 rows selecting ahead) ``select_ahead`` runs on the
 forward thread and is part of ``rest``.
 With ``--select-worker`` a third server runs the same preset with
-``prefetch.select: worker`` (the next step's selection on the select worker
+``experimental.select: worker`` (the next step's selection on the select worker
 thread instead of inline on the forward thread, a CPU's default below 8 rows) and each
 cell's sparse default again there (``dualdecoder_sparse_select_worker``).
-With ``--select-split`` another server runs the preset with ``prefetch.select:
+With ``--select-split`` another server runs the preset with ``experimental.select:
 split`` (the select worker, and the forward thread's own operations on one
 intra-op thread during sparse steps), its runs as
 ``dualdecoder_sparse_select_split`` and ``split_over_default_select`` the
 tokens/s over the default's (``auto``: on a CPU split from
 ``SPLIT_MIN_ROWS`` rows a step, else inline). With ``--select-inline``
-another server runs the preset with ``prefetch.select: inline`` (every step
+another server runs the preset with ``experimental.select: inline`` (every step
 inline), as ``dualdecoder_sparse_select_inline``, and
 ``default_over_inline_select`` the default's tokens/s over it.
-With ``--torch-kernel`` another server runs the preset with ``prefetch.kernel:
+With ``--torch-kernel`` another server runs the preset with ``experimental.kernel:
 torch`` (every C path off: PyTorch selection, measurement and copies), its
 runs as ``dualdecoder_sparse_torch_kernel`` and ``native_over_torch_kernel``
 the C kernel's tokens/s over it.
@@ -69,12 +69,12 @@ dense as it ran before packing.
 With ``--temperature T`` (> 0) every request samples (temperature T, top-p
 0.95, a fixed ``sampling_seed`` per prompt) instead of decoding greedily. With
 ``--independent-sampling`` one more ``dualdecoder`` server runs the preset with
-``prefetch.sampling: independent`` (SGLang's own sampler, the argmax guess) and
+``experimental.sampling: independent`` (SGLang's own sampler, the argmax guess) and
 each cell's sparse default again there (``dualdecoder_sparse_independent``);
 ``coupled_over_independent`` is the default's (coupled sampling's) tokens/s
 over it: what the coupled draw costs, less what its fewer repairs save.
 With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
-``prefetch.transfer: inline`` (each layer's critical sets copied into the layer
+``experimental.transfer: inline`` (each layer's critical sets copied into the layer
 ring before attention, instead of read in place from the host tier, a CPU's
 default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
@@ -115,10 +115,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.client import write_result
+from bench.client import preset_dict, write_result
 from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
-from bench.server import ROOT, scrape, start_server
+from bench.server import scrape, start_server
 from dd_sglang.platform.linear import PREPACK_ENV
 
 PHASES = ("plan", "select", "assemble", "attention")
@@ -241,22 +241,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="CONTEXTxBATCH,... instead of every --contexts x --batches pair, e.g. 4000x1,7900x1,4000x8")  # fmt: skip
     ap.add_argument("--pool-tokens", type=int, default=66000, help="device KV pool: every request fits densely")
     ap.add_argument("--select-worker", action="store_true",
-                    help="also run the sparse default on a server with prefetch.select: worker")  # fmt: skip
+                    help="also run the sparse default on a server with experimental.select: worker")  # fmt: skip
     ap.add_argument("--select-split", action="store_true",
-                    help="also run the sparse default on a server with prefetch.select: split")  # fmt: skip
+                    help="also run the sparse default on a server with experimental.select: split")  # fmt: skip
     ap.add_argument("--select-inline", action="store_true",
-                    help="also run the sparse default on a server with prefetch.select: inline")  # fmt: skip
+                    help="also run the sparse default on a server with experimental.select: inline")  # fmt: skip
     ap.add_argument("--unpacked-dense", action="store_true",
                     help="also SGLang dense with the CPU platform's prepacked linear layers off "
                          "(DD_SGLANG_CPU_PREPACK=0): sglang_dense_unpacked")  # fmt: skip
     ap.add_argument("--torch-kernel", action="store_true",
-                    help="also run the sparse default on a server with prefetch.kernel: torch (no C kernel)")  # fmt: skip
+                    help="also run the sparse default on a server with experimental.kernel: torch (no C kernel)")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample every request at this temperature (top-p 0.95, seeded); 0: greedy")  # fmt: skip
     ap.add_argument("--independent-sampling", action="store_true",
-                    help="also run the sparse default on a server with prefetch.sampling: independent")  # fmt: skip
+                    help="also run the sparse default on a server with experimental.sampling: independent")  # fmt: skip
     ap.add_argument("--inline-transfer", action="store_true",
-                    help="also run the sparse default on a server with prefetch.transfer: inline (critical sets "
+                    help="also run the sparse default on a server with experimental.transfer: inline (critical sets "
                          "copied into the ring, not read in place)")  # fmt: skip
     ap.add_argument("--use-prefetched", action="store_true",
                     help="also run the sparse default with custom_params.dd_miss_policy use_prefetched (unverified)")  # fmt: skip
@@ -324,20 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
     if args.unpacked_dense:
         servers["unpacked"] = (["--attention-backend", "torch_native"], [("sglang_dense_unpacked", None, None)])
-    # Variant servers: the preset with one prefetch key changed, each cell's sparse default run there.
-    variants = [("select_worker", "select", "worker", "dualdecoder_sparse_select_worker", args.select_worker),
-                ("select_split", "select", "split", "dualdecoder_sparse_select_split", args.select_split),
-                ("select_inline", "select", "inline", "dualdecoder_sparse_select_inline", args.select_inline),
-                ("torch_kernel", "kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
-                ("independent", "sampling", "independent", "dualdecoder_sparse_independent", args.independent_sampling),
-                ("inline_transfer", "transfer", "inline", "dualdecoder_sparse_inline_transfer", args.inline_transfer),
-                ("hit_rate_sample", "hit_rate_sample", args.hit_rate_sample, "dualdecoder_sparse_hit_rate_sample",
+    # Variant servers: the preset with one key changed, each cell's sparse default run there.
+    variants = [("select_worker", "experimental.select", "worker", "dualdecoder_sparse_select_worker", args.select_worker),
+                ("select_split", "experimental.select", "split", "dualdecoder_sparse_select_split", args.select_split),
+                ("select_inline", "experimental.select", "inline", "dualdecoder_sparse_select_inline", args.select_inline),
+                ("torch_kernel", "experimental.kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
+                ("independent", "experimental.sampling", "independent", "dualdecoder_sparse_independent",
+                 args.independent_sampling),
+                ("inline_transfer", "experimental.transfer", "inline", "dualdecoder_sparse_inline_transfer",
+                 args.inline_transfer),
+                ("hit_rate_sample", "prefetch.hit_rate_sample", args.hit_rate_sample, "dualdecoder_sparse_hit_rate_sample",
                  args.hit_rate_sample is not None)]  # fmt: skip
     for backend, key, value, run_key, wanted in variants:
         if wanted:
-            preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
-            preset.setdefault("prefetch", {})[key] = value
-            (tmp / f"{backend}.yaml").write_text(yaml.safe_dump(preset))
+            (tmp / f"{backend}.yaml").write_text(yaml.safe_dump(preset_dict(None, sets={key: value})))
             servers[backend] = (["--attention-backend", "dualdecoder", "--dd-config", str(tmp / f"{backend}.yaml")],
                                 [(run_key, {}, "sparse")])  # fmt: skip
     started: dict[str, object] = {}

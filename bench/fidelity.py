@@ -5,7 +5,7 @@ Usage::
     python -m bench.fidelity [--contexts 2000,4000,7500] [--fractions 8,16,32] [--trials 20]
                              [--nll-tokens 128] [--agree-tokens 64] [--configs NAME,...|all]
                              [--dense-url URL] [--dd-url URL --dd-metrics-url URL]
-                             [--prefetch KEY=VALUE ...] [--out bench/results/fidelity_cpu.json] [--quick]
+                             [--set SECTION.KEY=VALUE ...] [--out bench/results/fidelity_cpu.json] [--quick]
 
 Texts (:mod:`bench.texts`): Debian's licences, Python's reference docs, the
 installed packages' descriptions. Nothing synthetic except the inserted facts.
@@ -73,7 +73,6 @@ import zlib
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
 from bench.client import (
@@ -81,8 +80,8 @@ from bench.client import (
     forced_scores,
     generate,
     n_layers_of_model,
+    parse_sets,
     prefill_logprobs,
-    preset_dict,
     served,
     stop_left_running,
     write_result,
@@ -200,7 +199,7 @@ def run(args) -> dict:
     dcustom = FULL_TOP_K if full else None
     url = args.dd_url if full else args.dense_url
     with served("dualdecoder" if full else "torch_native", url, args.dd_metrics_url if full else None, tmp, CAP,
-                keep=full, prefetch=args.prefetch if full else None) as ep:  # fmt: skip
+                keep=full, sets=args.set if full else None) as ep:  # fmt: skip
         timing["dense_server_start_s"] = ep.start_seconds
         for n in contexts:
             for i, case in enumerate(tqdm(trial_cases[n], desc=f"dense retrieval {n}", unit="trial")):
@@ -225,7 +224,7 @@ def run(args) -> dict:
     t0 = time.monotonic()
     cell_seconds: dict = defaultdict(float)
     with served("dualdecoder", args.dd_url or (ep.url if full else None), args.dd_metrics_url or
-                (ep.metrics_url if full else None), tmp, CAP, prefetch=args.prefetch) as ep:  # fmt: skip
+                (ep.metrics_url if full else None), tmp, CAP, sets=args.set) as ep:  # fmt: skip
         timing["dd_server_start_s"] = ep.start_seconds
         grid = [(name, custom, f) for name, custom in configs.items() for f in fractions]
         for n in contexts:
@@ -349,7 +348,7 @@ def summarize(args, contexts, fractions, texts, configs, trial_cases, dense, rec
         "settings": {"contexts": contexts, "fractions": fractions, "trials": args.trials, "texts": texts,
                      "nll_tokens": args.nll_tokens, "agree_tokens": args.agree_tokens,
                      "retrieval_tokens": RETRIEVAL_TOKENS, "dense": args.dense, "configs": configs, "default_config": DEFAULT_CONFIG,
-                     "prefetch_hit_rate_sample": 1.0, "prefetch": args.prefetch, "quick": args.quick},
+                     "prefetch_hit_rate_sample": 1.0, "set": args.set, "quick": args.quick},
         "dense": dense_cells,
         "cells": cells,
         "default_lost_vs_oracle": lost,
@@ -377,15 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-url", default=None, help="a running torch_native server (with "
                     "--enable-custom-logit-processor --disable-overlap-schedule: teacher forcing needs both) "
                     "instead of starting one")  # fmt: skip
-    ap.add_argument("--dd-url", default=None, help="a running dualdecoder server (same flag) instead of starting one")
+    ap.add_argument("--dd-url", default=None, help="a running dualdecoder server (same flag; its preset with "
+                    "experimental.request_overrides: true, as the configurations set dd_speculator) instead of "
+                    "starting one")  # fmt: skip
     ap.add_argument("--dd-metrics-url", default=None, help="its sidecar (needed with --dd-url)")
     ap.add_argument("--dense", choices=["torch_native", "full_top_k"], default="torch_native",
                     help="dense reference: a torch_native server, or the dualdecoder server at dd_top_k >= context "
                          "(one server for the whole run; each prompt prefilled once)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help=f"tiny run for the test suite: {QUICK}")
-    ap.add_argument("--prefetch", action="append", default=[], metavar="KEY=VALUE",
-                    help="a prefetch preset key of the dualdecoder server this run starts (repeatable), "
-                         "e.g. rerank=4; a YAML value")  # fmt: skip
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a preset key of the dualdecoder server this run starts (repeatable), e.g. "
+                         "prefetch.rerank=4 or experimental.kernel=torch; a YAML value")  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -393,19 +394,12 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, k, v)
     if args.dd_url and not args.dd_metrics_url:
         ap.error("--dd-url needs --dd-metrics-url (the prefetch counters come from the sidecar)")
-    pairs = [kv.split("=", 1) for kv in args.prefetch]
-    if any(len(kv) != 2 or not kv[0] for kv in pairs):
-        ap.error(f"--prefetch takes KEY=VALUE, got {args.prefetch}")
-    if pairs and args.dd_url:
-        ap.error("--prefetch sets the server this run starts; it cannot change --dd-url's")
-    args.prefetch = {k: yaml.safe_load(v) for k, v in pairs} or None
-    if args.prefetch:  # refused before any server starts, with the preset's own message
-        from dd_sglang.config import ConfigError, parse_config
-
-        try:  # the very preset the server gets (bench.client.bench_preset)
-            parse_config(preset_dict(1.0, prefetch=args.prefetch), "--prefetch")
-        except ConfigError as err:
-            ap.error(str(err))
+    if args.set and args.dd_url:
+        ap.error("--set sets the server this run starts; it cannot change --dd-url's")
+    try:  # refused before any server starts, with the preset schema's own message
+        args.set = parse_sets(args.set) or None
+    except ValueError as err:
+        ap.error(str(err))
     t0 = time.monotonic()
     result = {
         "command": "python -m bench.fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -6,7 +6,7 @@ Usage::
                                [--texts licenses,python_docs,package_docs] [--windows 2]
                                [--configs spec_host+dual_token,spec_host+ngram,recency]
                                [--regimes greedy,sample_t0.8,teacher_forced]
-                               [--variants default,b2=branches:2,miss=real_query:after_miss]
+                               [--variants default,b2=experimental.branches:2,miss=experimental.real_query:after_miss]
                                [--dd-url URL --dd-metrics-url URL] [--skip-ceiling]
                                [--out bench/results/prediction_cpu.json] [--quick]
 
@@ -32,9 +32,9 @@ configuration) reports the mean over its requests with a 95% Student-t
 interval (n = texts x windows).
 
 **Variants** (``--variants``): the serving part runs once per server variant, one
-after another in the same run: ``default`` is the preset; ``NAME=key:value/key:value``
-merges those keys into the preset's ``prefetch`` section (validated by the preset
-schema before any server starts), and the variant's cells carry the configuration
+after another in the same run: ``default`` is the preset; ``NAME=SECTION.KEY:value/SECTION.KEY:value``
+sets those preset keys (as ``--set SECTION.KEY=value`` does elsewhere, :func:`bench.client.parse_sets`:
+validated by the preset schema before any server starts), and the variant's cells carry the configuration
 name ``config[NAME]``. Recall is a count, not a time, so variants need not run at once.
 
 **Ceiling part** (same run, after the server part; :mod:`bench.ceiling`, HF
@@ -87,32 +87,26 @@ def windows_of(tok, texts: list[str], contexts: list[int], n_windows: int, extra
 
 
 def parse_variants(arg: str) -> dict[str, dict]:
-    """``--variants``: ``{name: prefetch keys}`` (module docstring), ``default`` first if named.
+    """``--variants``: ``{name: {"SECTION.KEY": value}}`` (module docstring), ``default`` first if named.
 
     Raises:
         ValueError: a malformed item, a repeated name, or keys the preset schema refuses (the
             message names ``--variants`` and the schema's complaint).
     """
-    import yaml
-
-    from dd_sglang.config import PrefetchSection
+    from bench.client import parse_sets
 
     out: dict[str, dict] = {}
     for item in arg.split(","):
         name, _, spec = item.partition("=")
         if not name or name in out or (name == "default") == bool(spec):
-            raise ValueError(f"--variants: bad item {item!r} (default, or NAME=key:value/key:value; names unique)")
-        keys = {}
+            raise ValueError(f"--variants: bad item {item!r} (default, or NAME=SECTION.KEY:value/...; names unique)")
+        items = []
         for kv in spec.split("/") if spec else []:
             key, sep, value = kv.partition(":")
             if not sep:
-                raise ValueError(f"--variants: {kv!r} in {item!r} is not key:value")
-            keys[key] = yaml.safe_load(value)
-        try:
-            PrefetchSection(**keys)
-        except Exception as err:  # pydantic's ValidationError: names the key and its range
-            raise ValueError(f"--variants {name}: {err}") from None
-        out[name] = keys
+                raise ValueError(f"--variants: {kv!r} in {item!r} is not SECTION.KEY:value")
+            items.append(f"{key}={value}")
+        out[name] = parse_sets(items, f"--variants {name}")
     return out
 
 
@@ -137,7 +131,7 @@ def sample_replays(ep, wins, tokens: int) -> dict:
 def serve_part(args, tok, wins, contexts, fractions, configs, regimes, n_layers, tmp) -> tuple[list, dict, dict]:
     runs, start, replays = [], {}, {}
     for variant, keys in args.variant_keys.items():
-        with served("dualdecoder", args.dd_url, args.dd_metrics_url, tmp, CAP, prefetch=keys) as ep:
+        with served("dualdecoder", args.dd_url, args.dd_metrics_url, tmp, CAP, sets=keys) as ep:
             if "replay_t0.8" in regimes and not replays:
                 replays = sample_replays(ep, wins, args.tokens)
             labelled = {variant_label(n, variant): c for n, c in configs.items()}

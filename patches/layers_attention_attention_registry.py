@@ -43,9 +43,9 @@ def create_dualdecoder_backend(runner):
         dense,
         runner.token_to_kv_pool,
         runner.req_to_token_pool.req_to_token,
-        SparseParams(**cfg.sparse.model_dump()),
+        SparseParams.from_config(cfg),
         sparse_runtime.current,
-        PrefetchParams(**cfg.prefetch.model_dump()),
+        PrefetchParams.from_config(cfg),
         MetricsEvents(),
     )
 

@@ -1,7 +1,7 @@
 """Hook on ``sglang.srt.layers.sampler.Sampler`` (the scheduler process's model).
 
 * ``Sampler.forward`` (AROUND): on a step whose sparse rows sample with
-  ``prefetch.sampling: coupled``, SGLang's sampler runs as usual and those rows'
+  ``experimental.sampling: coupled``, SGLang's sampler runs as usual and those rows'
   tokens are replaced by the coupled draw the step stashed on the logits output
   (:func:`dd_sglang.attention.coupling.sample`); any other call runs SGLang's
   sampler untouched.

@@ -77,13 +77,13 @@ def create_dualdecoder_radix_cache(ctx):
     cache = create_unified_radix_cache(ctx, cache_class=DualDecoderRadixCache)
     allocator = ctx.params.token_to_kv_pool_allocator
     ranks = current_ranks()
-    sparse = current_config().sparse.model_dump()
-    total = sparse["host_tier_bytes"]
-    sparse["host_tier_bytes"] = host_tier_share(total, ranks)
+    cfg = current_config()
+    total = cfg.sparse.host_tier_bytes
+    params = SparseParams.from_config(cfg, host_tier_bytes=host_tier_share(total, ranks))
     selectors, speculators, _ = request_limits()  # what the tokenizer manager lets requests name
     try:
         runtime = sparse_runtime.SparseRuntime(
-            SparseParams(**sparse),
+            params,
             allocator.get_kvcache(),
             allocator,
             ctx.params.req_to_token_pool.req_to_token,
@@ -92,12 +92,12 @@ def create_dualdecoder_radix_cache(ctx):
             on_unpin=_count_unpin if ranks.primary else None,
             selectors=selectors,
             speculators=speculators,
-            speculator=current_config().prefetch.speculator,
+            speculator=cfg.experimental.speculator,
         )
     except ValueError as err:
         raise ValueError(
             f"sparse.host_tier_bytes {total} split over {ranks.processes} scheduler processes "
-            f"(dp_size {ranks.dp_size} x tp_size {ranks.tp_size}) leaves {sparse['host_tier_bytes']} "
+            f"(dp_size {ranks.dp_size} x tp_size {ranks.tp_size}) leaves {params.host_tier_bytes} "
             f"bytes each: {err}"
         ) from err
     cache.attach_runtime(runtime)

@@ -197,7 +197,7 @@ def test_top_k_covering_the_context_is_sglang_dense_decode_bit_for_bit_and_no_to
 
 
 def _kernel_params(kernel: str, **kw) -> PrefetchParams:
-    """Prefetch params for ``prefetch.kernel`` = ``kernel`` (``native``: skipped where it cannot be built)."""
+    """Prefetch params for ``experimental.kernel`` = ``kernel`` (``native``: skipped where it cannot be built)."""
     if kernel == "native" and not native_kernel.available():
         pytest.skip(f"no CPU selection kernel here: {native_kernel.unavailable_reason()}")
     return PrefetchParams(hit_rate_sample=0.0, kernel=kernel, **kw)
@@ -227,7 +227,7 @@ def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_two_riding_tokens_each_read_the_rows_set_and_their_own_kv(kernel):
-    """prefetch.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
+    """experimental.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
     h = Harness(_kernel_params(kernel, branches=2, confident=0.99, miss_policy="use_prefetched"), top_k=24,
                 selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
@@ -373,7 +373,7 @@ def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_ta
 
 @pytest.mark.parametrize("real_query,accepted", [("always", True), ("after_miss", False), ("after_miss", True)])
 def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_query, accepted):
-    """prefetch.real_query: the set fixed for the next step is the top-k of the max over the speculated
+    """experimental.real_query: the set fixed for the next step is the top-k of the max over the speculated
     and the real query's per-KV-head scores (``always``, or ``after_miss`` when the last speculation
     was not accepted); an accepted speculation under ``after_miss`` ranks by the speculated query alone."""
     h = Harness(PrefetchParams(hit_rate_sample=0.0, real_query=real_query, miss_policy="use_prefetched"), top_k=24,
@@ -399,7 +399,7 @@ def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_quer
 @pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
 @pytest.mark.parametrize("accepted", [True, False])
 def test_verify_attends_the_real_querys_top_k_whatever_was_prefetched(kernel, transfer, accepted):
-    """prefetch.miss_policy verify (the default): after a rejected speculation and after an accepted one
+    """experimental.miss_policy verify (the default): after a rejected speculation and after an accepted one
     alike, each layer's real query attends the resident set and its own exact top-k (host_sync's set:
     with rerank 100 every candidate is re-ranked exactly), not the set its previous speculated query
     chose; the tokens fetched synchronously are exactly the real top-k's tokens that set missed (copied
@@ -439,7 +439,7 @@ def _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident, k=24) -> i
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_split_selection_gives_the_inline_outputs_with_one_forward_thread_in_sparse_steps(kernel):
-    """prefetch.select split: the next step's sets come from the select worker (its own core) and
+    """experimental.select split: the next step's sets come from the select worker (its own core) and
     every layer's output equals the inline selection's to the bit; during a sparse step the forward
     thread runs its own operations on one intra-op thread, and a step with no plan (a prefill)
     gets its thread count back."""
@@ -463,7 +463,7 @@ def test_split_selection_gives_the_inline_outputs_with_one_forward_thread_in_spa
 
 
 def test_auto_selection_splits_a_step_from_split_min_rows(monkeypatch):
-    """prefetch.select auto on a CPU: a step with fewer than SPLIT_MIN_ROWS rows selecting ahead
+    """experimental.select auto on a CPU: a step with fewer than SPLIT_MIN_ROWS rows selecting ahead
     selects inline on the forward thread's threads; from that many rows (1 here) it splits."""
     from dd_sglang.prefetch import runner as runner_mod
 

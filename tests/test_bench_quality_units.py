@@ -88,16 +88,20 @@ def test_needle_prompt_size_depth_and_answer(tokenizer):
 def test_prediction_variants_are_parsed_and_checked_by_the_preset_schema():
     from bench.prediction import parse_variants, variant_label
 
-    assert parse_variants("default,b2=branches:2,both=branches:2/real_query:after_miss") == {
+    assert parse_variants("default,b2=experimental.branches:2,"
+                          "both=experimental.branches:2/experimental.real_query:after_miss") == {
         "default": {},
-        "b2": {"branches": 2},
-        "both": {"branches": 2, "real_query": "after_miss"},
-    }
+        "b2": {"experimental.branches": 2},
+        "both": {"experimental.branches": 2, "experimental.real_query": "after_miss"},
+    }  # fmt: skip
     assert variant_label("spec_host+dual_token", "b2") == "spec_host+dual_token[b2]"
     assert variant_label("recency", "default") == "recency"
-    for bad, needle in [("b3=branches:3", "branches"), ("x=real_query:sometimes", "real_query"),
-                        ("x=nokey", "not key:value"), ("default=branches:2", "bad item"), ("b=", "bad item"),
-                        ("a=branches:2,a=branches:1", "bad item"), ("x=typo:1", "typo")]:  # fmt: skip
+    for bad, needle in [("b3=experimental.branches:3", "experimental.branches"),
+                        ("x=experimental.real_query:sometimes", "experimental.real_query"),
+                        ("x=branches:2", "SECTION.KEY=VALUE"), ("x=prefetch.branches:2", "unknown key 'prefetch.branches'"),
+                        ("x=nokey", "not SECTION.KEY:value"), ("default=experimental.branches:2", "bad item"),
+                        ("b=", "bad item"), ("a=experimental.branches:2,a=experimental.branches:1", "bad item"),
+                        ("x=prefetch.typo:1", "typo")]:  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             parse_variants(bad)
 
@@ -178,12 +182,29 @@ def test_capacity_ratios_are_per_round_medians():
     assert single["dualdecoder_over_dense_with_room"] == 1.25
 
 
-def test_fidelity_refuses_a_bad_prefetch_key_before_starting_a_server(capsys):
-    """``bench.fidelity --prefetch`` is checked against the preset schema first (no server, exit 2)."""
+def test_fidelity_refuses_a_bad_preset_key_before_starting_a_server(capsys):
+    """``bench.fidelity --set`` is checked against the preset schema first (no server, exit 2), naming the key."""
     from bench import fidelity
 
-    for bad, msg in (("rerank=0.5", "greater than or equal to 1"), ("bogus=1", "unknown key 'prefetch.bogus'"),
-                     ("nonsense", "--prefetch takes KEY=VALUE")):  # fmt: skip
+    for bad, msg in (("prefetch.rerank=0.5", "key 'prefetch.rerank': Input should be greater than or equal to 1"),
+                     ("prefetch.bogus=1", "unknown key 'prefetch.bogus'"),
+                     ("prefetch.kernel=torch", "unknown key 'prefetch.kernel'"),
+                     ("experimental.kernel=cuda", "key 'experimental.kernel'"),
+                     ("nonsense", "--set takes SECTION.KEY=VALUE"), ("rerank=4", "--set takes SECTION.KEY=VALUE")):  # fmt: skip
         with pytest.raises(SystemExit) as ex:
-            fidelity.main(["--quick", "--prefetch", bad, "--out", "/dev/null"])
+            fidelity.main(["--quick", "--set", bad, "--out", "/dev/null"])
         assert ex.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_set_overrides_are_dotted_preset_keys_on_the_bench_preset():
+    """``--set SECTION.KEY=VALUE`` (``bench.client.parse_sets``): YAML values, applied to the benchmarks' preset."""
+    from bench.client import parse_sets, preset_dict
+    from dd_sglang.config import parse_config
+
+    sets = parse_sets(["prefetch.rerank=4", "experimental.kernel=torch", "experimental.branches=2"])
+    assert sets == {"prefetch.rerank": 4, "experimental.kernel": "torch", "experimental.branches": 2}
+    cfg = parse_config(preset_dict(sets=sets))
+    assert (cfg.prefetch.rerank, cfg.experimental.kernel, cfg.experimental.branches) == (4, "torch", 2)
+    assert parse_config(preset_dict()).prefetch.hit_rate_sample == 1.0
+    with pytest.raises(ValueError, match="each key once"):
+        parse_sets(["prefetch.rerank=4", "prefetch.rerank=2"])

@@ -7,8 +7,16 @@ import sys
 import time
 
 import pytest
+from pydantic import BaseModel
 
-from dd_sglang.config import CONFIGS_DIR, ConfigError, DDConfig, load_config, parse_config
+from dd_sglang.config import (
+    CONFIGS_DIR,
+    ConfigError,
+    DDConfig,
+    ExperimentalSection,
+    load_config,
+    parse_config,
+)
 from dd_sglang.launch_server import build_sglang_argv, flag_value, parse_dd_args
 
 
@@ -40,7 +48,10 @@ def test_every_shipped_preset_validates():
         ({"sparse": {"page_size": 0}}, ["sparse.page_size", "ge 1"]),
         ({"sparse": {"host_tier_bytes": 1000}}, ["sparse.host_tier_bytes", "ge 1048576"]),
         ({"sparse": {"n_recent": 0}}, ["sparse.n_recent", "ge 1"]),
-        ({"sparse": {"keep_signal": "attention"}}, ["sparse.keep_signal", "key_norm"]),
+        ({"sparse": {"keep_signal": "key_norm"}}, ["unknown key 'sparse.keep_signal'"]),
+        ({"prefetch": {"select": "worker"}}, ["unknown key 'prefetch.select'"]),
+        ({"experimental": {"kernel": "cuda"}}, ["experimental.kernel", "'native'", "cuda"]),
+        ({"experimental": {"branches": 3}}, ["experimental.branches", "le 2"]),
         ({"sparse": {"request_selectors": ["psychic"]}}, ["sparse.request_selectors.0", "'quest_device'", "psychic"]),
         ({"sparse": {"request_selectors": ["oracle", "oracle"]}}, ["sparse.request_selectors", "names a selector twice"]),
         ({"sparse": {"request_max_top_k": 0}}, ["sparse.request_max_top_k", "ge 1"]),
@@ -58,6 +69,61 @@ def test_bad_values_name_the_key_and_range(data, needles):
         parse_config(data, "test")
     for n in needles:
         assert n in str(e.value)
+
+
+#: Most preset keys an operator meets: every leaf key outside the ``experimental`` section.
+SHIPPED_KEYS_MAX = 26
+
+
+def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            out += _leaf_keys(sub, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def test_the_shipped_schema_stays_small():
+    """The schema an operator reads holds at most SHIPPED_KEYS_MAX keys; experiment switches live
+    under ``experimental`` only, and no measured loser is back among the shipped keys."""
+    shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
+    assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
+    assert len(shipped) == 26  # name, model.path, server 8, metrics 4, sparse 9, prefetch 3
+    moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "branches", "confident",
+             "real_query", "sampling", "n_keep"}  # fmt: skip
+    assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
+    assert moved == set(ExperimentalSection.model_fields)
+
+
+def test_no_shipped_preset_sets_an_experimental_key():
+    import yaml
+
+    for p in sorted(CONFIGS_DIR.glob("*.yaml")):
+        assert "experimental" not in (yaml.safe_load(p.read_text()) or {}), p.name
+
+
+def test_the_runtime_settings_are_the_presets():
+    """``PrefetchParams`` / ``SparseParams`` take every value from the preset's sections (``prefetch`` and
+    ``experimental``; ``sparse`` and ``experimental.n_keep``), whichever section a key lives in, and
+    default to the schema's defaults."""
+    from dataclasses import asdict
+
+    from dd_sglang.kvcache.params import SparseParams
+    from dd_sglang.prefetch.params import PrefetchParams
+
+    cfg = parse_config({"prefetch": {"depth": 3, "rerank": 4.0},
+                        "experimental": {"kernel": "torch", "select": "split", "speculator": "ngram", "n_keep": 5,
+                                         "miss_policy": "use_prefetched", "branches": 2, "sampling": "independent"},
+                        "sparse": {"top_k": 64, "request_max_top_k": 128}})  # fmt: skip
+    p = PrefetchParams.from_config(cfg)
+    assert (p.depth, p.rerank, p.kernel, p.select, p.speculator, p.miss_policy, p.branches, p.sampling) == (
+        3, 4.0, "torch", "split", "ngram", "use_prefetched", 2, "independent")  # fmt: skip
+    assert asdict(PrefetchParams()) == asdict(PrefetchParams.from_config(DDConfig()))
+    s = SparseParams.from_config(cfg, host_tier_bytes=4096 * 1024)
+    assert (s.top_k, s.request_max_top_k, s.n_keep, s.host_tier_bytes, s.n_recent) == (64, 128, 5, 4096 * 1024, 128)
 
 
 def test_the_schemas_selector_names_are_the_registrys():

@@ -2,7 +2,7 @@
 
 Both must choose the same critical sets: same positions per layer, row and KV head, their host
 slots, best first. Skipped where no C compiler can build the kernel (the runtime then uses the
-PyTorch path, ``prefetch.kernel: auto``).
+PyTorch path, ``experimental.kernel: auto``).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def test_kernel_setting_decides_and_native_fails_loudly(monkeypatch):
     assert use_native_kernel("auto") is True and use_native_kernel("native") is True
     monkeypatch.setattr(native, "available", lambda: False)
     assert use_native_kernel("auto") is False
-    with pytest.raises(RuntimeError, match="prefetch.kernel: native"):
+    with pytest.raises(RuntimeError, match="experimental.kernel: native"):
         use_native_kernel("native")
 
 
@@ -425,7 +425,7 @@ def test_native_index_update_refusals():
 
 
 def test_the_c_copies_are_never_chosen_for_a_cuda_ring():
-    """``prefetch.gather: cpu`` on a CUDA ring gathers on the host and copies to the device: the C row
+    """``experimental.gather: cpu`` on a CUDA ring gathers on the host and copies to the device: the C row
     copies write through host pointers, so they stay off (no GPU needed to build the gather)."""
     from dd_sglang.prefetch.gather import RingGather
 

@@ -97,8 +97,8 @@ class PromptTree(FakeTree):
 
 
 def params(**kw):
-    base = dict(min_sparse_len=50, top_k=8, n_sink=4, n_recent=16, n_keep=3, keep_signal="key_norm",
-                page_size=8, host_tier_bytes=2000 * PER_TOKEN, selector="oracle")  # fmt: skip
+    base = dict(min_sparse_len=50, top_k=8, n_sink=4, n_recent=16, n_keep=3, page_size=8,
+                host_tier_bytes=2000 * PER_TOKEN, selector="oracle")  # fmt: skip
     base.update(kw)
     return SparseParams(**base)
 

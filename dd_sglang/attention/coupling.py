@@ -4,7 +4,7 @@ Under sampling, the ``dual_token`` guess of the next token (the argmax of the
 riding position's logits) is the real token only as often as the sampled token
 is the argmax (~0.5-0.6 at T = 0.8 here, against ~0.95 greedy), and each miss
 costs a repair and a step or two of prompt-lookup guesses. With
-``prefetch.sampling: coupled`` both draws share their randomness (the
+``experimental.sampling: coupled`` both draws share their randomness (the
 Gumbel-max coupling used in speculative decoding: Daliri, Musco and Suresh,
 "Coupling without Communication and Drafter-Invariant Speculative Decoding",
 2024):

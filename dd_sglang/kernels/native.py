@@ -17,7 +17,7 @@ and CPU (the file name carries a hash of the three), written to a temporary name
 renamed, so concurrent processes never load a half-written library. ``-march=native``: the
 library is built on the machine that runs it, for its instruction set (AVX2 or AVX-512).
 Without a compiler, or if the build fails, :func:`load` returns None and logs why once; the
-selector then uses its PyTorch path (``prefetch.kernel: auto``).
+selector then uses its PyTorch path (``experimental.kernel: auto``).
 
 **Threads.** The tasks are split over ``torch.get_num_threads()`` OpenMP threads; a selection
 with fewer tasks than threads (one row of one layer: a selection at attention time or a verification at

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import psutil
+
+from dd_sglang.config import DDConfig
 
 #: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
 #: 10 GiB free (``pool_host/base.py``: ``HICACHE_HOST_MEMORY_RESERVE_BYTES``), a margin
@@ -28,17 +30,17 @@ def host_memory_available_bytes() -> int:
 class SparseParams:
     """Sparse-path settings (token counts unless named ``_bytes``).
 
-    Built from the preset's validated ``sparse`` section
-    (:class:`dd_sglang.config.SparseSection`), which holds the defaults and the
-    allowed ranges; this class has none of its own.
+    Built from the preset's validated ``sparse`` section and ``experimental.n_keep``
+    (:meth:`from_config`); the schema (:class:`dd_sglang.config.SparseSection`) holds the
+    defaults, the allowed ranges and each key's meaning; this class has none of its own.
 
     Attributes:
         min_sparse_len: requests whose context reaches this many tokens go sparse.
         top_k: critical-set size per layer and KV head.
         n_sink: first tokens kept resident on the device.
         n_recent: last tokens kept resident on the device (the sliding window).
-        n_keep: extra resident tokens, the highest by ``keep_signal``.
-        keep_signal: ``"key_norm"``: L2 norm of the token's key, summed over layers and KV heads.
+        n_keep: extra resident tokens, those with the largest key L2 norm summed over layers
+            and KV heads (``experimental.n_keep``).
         page_size: host-tier allocation unit, and how many decode tokens are
             flushed to the host tier at a time.
         host_tier_bytes: host-tier capacity (K+V of all layers).
@@ -54,12 +56,18 @@ class SparseParams:
     n_sink: int
     n_recent: int
     n_keep: int
-    keep_signal: str
     page_size: int
     host_tier_bytes: int
     selector: str
     request_selectors: tuple[str, ...] | list[str] | None = None
     request_max_top_k: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: DDConfig, **changes) -> SparseParams:
+        """The settings of preset ``cfg`` (its ``sparse`` keys and ``experimental.n_keep``), with
+        ``changes`` applied (a scheduler process's share of ``host_tier_bytes``, say)."""
+        values = {**cfg.sparse.model_dump(), "n_keep": cfg.experimental.n_keep}
+        return replace(cls(**{f.name: values[f.name] for f in fields(cls)}), **changes)
 
     @property
     def resident_bound(self) -> int:

@@ -153,7 +153,7 @@ class SparseRuntime:
             set and dropped the request's tree lock on its own prompt (metrics).
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
         speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
-        speculator: the preset's speculator (``prefetch.speculator``).
+        speculator: the preset's speculator (``experimental.speculator``).
 
     Raises:
         ValueError: the device pool's K and V head sizes differ (the host tier stores one

@@ -153,11 +153,11 @@ PREFETCH_MISSES = Counter(
 PREFETCH_REPAIRED_TOKENS = Counter(
     "dd_prefetch_repaired_tokens",
     "Tokens (summed over KV heads) of the real query's critical set that the prediction missed and "
-    "verification (prefetch.miss_policy verify) fetched synchronously before attention.",
+    "verification (experimental.miss_policy verify) fetched synchronously before attention.",
 )
 PREFETCH_VERIFIED_HITS = Counter(
     "dd_prefetch_verified_hits",
-    "Every verified lookahead (request, layer) (prefetch.miss_policy verify): tokens of the real query's "
+    "Every verified lookahead (request, layer) (experimental.miss_policy verify): tokens of the real query's "
     "critical set (host_sync's top-k) that the set fixed one step earlier held. Hit rate = hits / lookups, "
     "over every decode step (no sampling).",
     ["selector", "speculator"],
@@ -171,7 +171,7 @@ CRITICAL_SET_RECALL_HELD = Counter(
     "dd_critical_set_recall_held",
     "Lookahead selectors, sampled steps (prefetch.hit_rate_sample): tokens of host_sync's top-k for the real "
     "query (selected again, apart from the step) that the set the layer attended held. Recall = held / "
-    "lookups: 1 under prefetch.miss_policy verify (guaranteed recall).",
+    "lookups: 1 under experimental.miss_policy verify (guaranteed recall).",
     ["selector", "speculator"],
 )
 CRITICAL_SET_RECALL_LOOKUPS = Counter(
@@ -197,7 +197,7 @@ TRANSFER_WAIT_SECONDS = Histogram(
 TRANSFER_COPY_SECONDS = Histogram(
     "dd_transfer_copy_seconds",
     "Per layer and decode step: duration of the copy of the layer's critical sets fixed ahead (lookahead and full "
-    "rows) into the layer ring: on the copy worker (CUDA) or inline on the forward thread (CPU: prefetch.transfer "
+    "rows) into the layer ring: on the copy worker (CUDA) or inline on the forward thread (CPU: experimental.transfer "
     "inline, or auto below 6 (row, KV head) pairs a step). Not recorded for a step that reads its sets in place; "
     "the copies of synchronous selections (host_sync, oracle, quest_device) and repairs are timed in "
     "dd_step_phase_seconds_total{phase=\"select\"}.",
@@ -230,7 +230,7 @@ HOST_INDEX_BYTES = Gauge(
 TRANSFER_BYTES = Counter(
     "dd_transfer_bytes",
     "Critical-set K/V bytes brought from the host tier to attention (copies ahead, synchronous selections and "
-    "repairs): gathered into the layer ring, or on a CPU with prefetch.transfer in_place read in place by the "
+    "repairs): gathered into the layer ring, or on a CPU with experimental.transfer in_place read in place by the "
     "attention kernel. Per step = this / dd_decode_steps_total{kind=\"sparse\"}.",
 )
 STEP_PHASE_SECONDS = Counter(
@@ -238,7 +238,7 @@ STEP_PHASE_SECONDS = Counter(
     "Decode forward time by phase, summed: plan (building the step plan), select (choosing critical sets on "
     "the forward thread: cold starts, synchronous selectors, repairs), assemble (resident gather and attention "
     "inputs), attention (dense and sparse attention calls), select_ahead (next-step selection: on the select "
-    "worker, off the forward thread, or inline on it with prefetch.select inline, a CPU's default). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
+    "worker, off the forward thread, or inline on it with experimental.select inline, a CPU's default). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
     ["phase"],
 )
 DECODE_STEPS = Counter(
@@ -335,7 +335,7 @@ READING = {
     "that share waits, the rest arrived during earlier layers.",
     "dd_critical_set_recall_held": "rate(this) / rate(dd_critical_set_recall_lookups_total) = 1 means every "
     "sampled layer attended all of host_sync's set (guaranteed recall); below 1 only with "
-    "prefetch.miss_policy use_prefetched.",
+    "experimental.miss_policy use_prefetched.",
     "dd_spec_accepted": "Acceptance = rate(dd_spec_accepted_total) / rate(dd_spec_proposed_total) per "
     "speculator. A rejected speculation degrades the next step's set toward the previous step's.",
     "dd_transfer_wait_seconds": "histogram_quantile(0.99, rate(dd_transfer_wait_seconds_bucket[5m])): "

@@ -102,7 +102,7 @@ def _verdict(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """Whether ``packed`` is exact on the calling thread's current intra-op thread count: the
     probe's verdict for the weight's shape, bias or none and that count, probed here on first need
     (module docstring). A count can change while a server runs: a CPU step whose next-step
-    selection runs on the select worker (``prefetch.select: split``) runs its forward on 1 thread."""
+    selection runs on the select worker (``experimental.select: split``) runs its forward on 1 thread."""
     kind = (tuple(weight.shape), bias is not None, torch.get_num_threads())
     exact = _probed.get(kind)
     if exact is None:

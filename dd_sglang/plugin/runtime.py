@@ -40,7 +40,7 @@ def request_limits() -> tuple[tuple[str, ...], tuple[str, ...], int]:
     from dd_sglang.prefetch.selectors import SELECTORS
     from dd_sglang.prefetch.speculators import SPECULATORS
 
-    params = SparseParams(**current_config().sparse.model_dump())
+    params = SparseParams.from_config(current_config())
     return params.request_selector_names(tuple(SELECTORS)), tuple(SPECULATORS), params.request_top_k_max
 
 

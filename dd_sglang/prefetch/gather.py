@@ -65,7 +65,7 @@ class RingGather:
         device: the ring's device.
         mode: ``auto`` (``cpu`` on a CPU device; on CUDA ``kernel`` where ``sgl_kernel`` imports,
             else ``staging``), or one of ``cpu``, ``kernel``, ``staging``.
-        native: ``cpu`` mode copies with the C kernel where it is built (``prefetch.kernel``
+        native: ``cpu`` mode copies with the C kernel where it is built (``experimental.kernel``
             ``torch`` turns it off).
 
     Raises:
@@ -83,11 +83,11 @@ class RingGather:
             if cuda:
                 mode = "kernel" if self._kernel() is not None else "staging"
         if mode not in ("cpu", "kernel", "staging"):
-            raise ValueError(f"prefetch.gather must be auto, cpu, kernel or staging, got {mode!r}")
+            raise ValueError(f"experimental.gather must be auto, cpu, kernel or staging, got {mode!r}")
         if mode != "cpu" and not cuda:
-            raise ValueError(f"prefetch.gather {mode} needs a CUDA device, the ring is on {self.device}")
+            raise ValueError(f"experimental.gather {mode} needs a CUDA device, the ring is on {self.device}")
         if mode == "kernel" and self._kernel() is None:
-            raise ValueError("prefetch.gather kernel needs sgl_kernel (SGLang's CUDA kernels)")
+            raise ValueError("experimental.gather kernel needs sgl_kernel (SGLang's CUDA kernels)")
         self.mode = mode
         # The C copies write through host pointers: a CPU ring only (``cpu`` mode on a CUDA ring
         # gathers on the host, then copies to the device).

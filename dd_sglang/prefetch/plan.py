@@ -31,7 +31,7 @@ tensors. Building a plan:
 4. **Attention layout.** Per row, columns ``[0, n_res)`` hold the resident
    set, ``[n_res, n_res + k)`` the critical set, then one column for the speculated token's own K/V. The
    mask ``[rows, 2, columns]`` says which columns each of the two queries (real,
-   speculated) reads. The *ahead* rows under ``prefetch.miss_policy: verify`` (``verify_rows``)
+   speculated) reads. The *ahead* rows under ``experimental.miss_policy: verify`` (``verify_rows``)
    have their critical-set columns checked against the real query's own set at each layer
    (:mod:`dd_sglang.prefetch.verify`): what the prediction missed is swapped in before attention.
 5. **Exact rows.** A *full* row needs no prediction (its next set is again its
@@ -194,9 +194,9 @@ class StepPlan:
         k: critical-set columns (the largest ``top_k``).
         n_res: resident columns; ``res_slots``: ``[R, n_res]`` int64 device slots (device).
         verify_rows: ``[n]`` int64 ahead plan rows whose prefetched sets are verified against the
-            real query's set at every layer (``prefetch.miss_policy: verify``).
+            real query's set at every layer (``experimental.miss_policy: verify``).
         positions: query positions per row, ``1 + S`` (the real one, then up to ``S``
-            speculated ones: 0, 1, or 2 with ``prefetch.branches: 2``).
+            speculated ones: 0, 1, or 2 with ``experimental.branches: 2``).
         qidx: ``[R, positions]`` int64 token index of each row's queries (the real one again
             where fewer tokens ride), device.
         spec_rows, spec_slots, spec_tokens, spec_cols: ``[T]`` int64 per speculated token: its
@@ -211,7 +211,7 @@ class StepPlan:
         exact_rows: batch rows of the full rows whose columns cover positions ``[0, seq_len)``.
         exact_cols: per exact row, ``[seq_len]`` int64 (device): its ring columns in position
             order (module docstring, step 5).
-        seeds: per plan row, its request's sampling seed (``prefetch.sampling: coupled``,
+        seeds: per plan row, its request's sampling seed (``experimental.sampling: coupled``,
             :mod:`dd_sglang.attention.coupling`); empty otherwise.
     """
 

@@ -14,7 +14,7 @@ The attention backend calls, per decode step and layer::
    layers ahead, :mod:`dd_sglang.prefetch.schedule`);
 2. selects and gathers the *sync* rows' sets (one selector call per selector
    in the batch), and verifies the *ahead* rows' prefetched sets against the
-   real query's own (``prefetch.miss_policy: verify``, :mod:`dd_sglang.prefetch.verify`):
+   real query's own (``experimental.miss_policy: verify``, :mod:`dd_sglang.prefetch.verify`):
    the tokens the prediction missed replace the ones it should not have
    fetched, copied synchronously, so each layer attends the set ``host_sync``
    would choose;
@@ -23,7 +23,7 @@ The attention backend calls, per decode step and layer::
 4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
    columns each query reads).
 
-With ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU device with the C
+With ``experimental.transfer`` ``in_place`` (``auto`` on a CPU device with the C
 kernel, for a step of at least 6 (row, KV head) pairs) nothing is copied in step 1, nor for the sync rows and verified
 sets in step 2: the step keeps each layer's critical sets as host slots (``[layers, R, Hkv,
 k]``, -1 where a column is not read in place) and the fused C
@@ -40,7 +40,7 @@ decode reads them, for :func:`~dd_sglang.kernels.sparse_decode.dense_decode_atte
 ``layer_done`` hands the slot back (the next copy reuses it) and queues, on the
 select worker, the choice of the next step's sets from this layer's queries
 (speculated or current, per selector) and the sampled hit-rate measurement.
-With the selection inline (a CPU's default below :data:`SPLIT_MIN_ROWS` rows, ``prefetch.select``) it keeps the
+With the selection inline (a CPU's default below :data:`SPLIT_MIN_ROWS` rows, ``experimental.select``) it keeps the
 layer's selection queries and, every few layers, chooses the sets of those
 layers in one call per selector (:meth:`Selector.select_layers`): the same
 sets, with each small operation dispatched once per chunk instead of once per
@@ -84,7 +84,7 @@ logger = logging.getLogger(__name__)
 #: one chunk of layers may make; at most :data:`SELECT_CHUNK_LAYERS` layers a chunk.
 SELECT_CHUNK_BYTES = 3 << 20
 SELECT_CHUNK_LAYERS = 10
-#: ``prefetch.select: auto`` on a CPU with 2+ intra-op threads: a sparse step with at least this many
+#: ``experimental.select: auto`` on a CPU with 2+ intra-op threads: a sparse step with at least this many
 #: rows selecting ahead runs as ``split`` (the selection on the select worker, the forward's own
 #: operations on one thread), a smaller one inline. ``bench.decode_speed`` on 2 cores, 4k tokens, split
 #: over inline tokens/s: 0.89x at 1 row (``bench/results/archive/decode_speed_split_cpu.json``), 0.86x at 4 and
@@ -96,7 +96,7 @@ SPLIT_MIN_ROWS = 8
 
 
 def use_native_kernel(kernel: str) -> bool:
-    """Whether ``spec_host``, ``host_sync`` and verification use the C kernel, for ``prefetch.kernel`` = ``kernel``.
+    """Whether ``spec_host``, ``host_sync`` and verification use the C kernel, for ``experimental.kernel`` = ``kernel``.
 
     Raises:
         RuntimeError: ``kernel`` is ``native`` and the kernel cannot be built here (the reason).
@@ -106,7 +106,7 @@ def use_native_kernel(kernel: str) -> bool:
     if native_kernel.available():
         return True
     if kernel == "native":
-        raise RuntimeError(f"prefetch.kernel: native, but the CPU selection kernel is unavailable "
+        raise RuntimeError(f"experimental.kernel: native, but the CPU selection kernel is unavailable "
                            f"({native_kernel.unavailable_reason()}); use auto or torch")  # fmt: skip
     return False
 
@@ -258,7 +258,7 @@ class SparseStepRunner:
         cpu = self.device.type != "cuda"
         inline = params.transfer in ("inline", "in_place") or (params.transfer == "auto" and cpu)
         select_inline = params.select == "inline" or (params.select == "auto" and cpu)
-        #: ``prefetch.select`` ``split`` or ``auto`` on a CPU: the forward thread's intra-op thread
+        #: ``experimental.select`` ``split`` or ``auto`` on a CPU: the forward thread's intra-op thread
         #: count outside split steps (read here, on the forward thread) and inside them (1); None
         #: where no step splits (CUDA, ``worker``, ``inline``, or a single intra-op thread).
         threads = torch.get_num_threads()
@@ -274,7 +274,7 @@ class SparseStepRunner:
         #: CPU with the C kernel: each layer's moves are single indexed copies over the rows of
         #: :mod:`~dd_sglang.prefetch.layer_rows`, built once per step.
         self.fast = self.gather.native and host.k.is_contiguous()  # gather.native: a CPU ring
-        #: CPU fast path, ``prefetch.transfer`` ``in_place`` (``auto`` on a CPU, per step: see
+        #: CPU fast path, ``experimental.transfer`` ``in_place`` (``auto`` on a CPU, per step: see
         #: :meth:`_reads_in_place`): the fused attention reads the critical sets from the host tier
         #: by slot (:attr:`_crit`); no ring copy.
         self.in_place = self.fast and host.v.is_contiguous() and (params.transfer == "in_place"
@@ -306,7 +306,7 @@ class SparseStepRunner:
         self.indexes: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
         self.inputs = _plan_inputs(params, req_to_token, self.store, self.index, self.native, seed)
         self._exact = SELECTORS["oracle"]()
-        #: ``prefetch.miss_policy: verify``: the real query's set, chosen as ``host_sync`` chooses it.
+        #: ``experimental.miss_policy: verify``: the real query's set, chosen as ``host_sync`` chooses it.
         self._verifier = self.inputs.selectors["host_sync"]
 
     # ------------------------------------------------------------------ state
@@ -376,7 +376,7 @@ class SparseStepRunner:
         return plan
 
     def split_threads(self, split: bool) -> None:
-        """Where steps may split (``prefetch.select`` ``split`` or ``auto`` on a CPU), set the calling
+        """Where steps may split (``experimental.select`` ``split`` or ``auto`` on a CPU), set the calling
         (forward) thread's intra-op threads for the coming forward: 1 for a split step (the select
         worker has the other core), else the count the runner was built with; elsewhere nothing."""
         if self._split_threads is not None:
@@ -399,7 +399,7 @@ class SparseStepRunner:
     def _reads_in_place(self, plan: StepPlan) -> bool:
         """Whether the step's attention reads its critical sets in place (:attr:`in_place`).
 
-        With ``prefetch.transfer`` ``auto``, only a step with at least
+        With ``experimental.transfer`` ``auto``, only a step with at least
         :data:`~dd_sglang.kernels.native.ATTEND_PARALLEL_TASKS` (row, KV head) tasks: below that the
         attention runs on one thread, and scattered host rows read there cost more than a copy on
         every thread (``bench/results/archive/decode_speed_cpu.json``: in place over inline

@@ -21,7 +21,7 @@ selectors, :mod:`dd_sglang.prefetch.selectors`). Step t+1 then runs:
    ``select_inline=True`` the selection runs right there on the forward
    thread instead of the select worker, where it would compete with the
    forward's parallel regions for the same cores. On a CPU the runner sets it
-   per step (``prefetch.select: auto``): inline for a small step, and for a
+   per step (``experimental.select: auto``): inline for a small step, and for a
    larger one the worker while the forward thread runs on one intra-op thread
    (``split``, :data:`dd_sglang.prefetch.runner.SPLIT_MIN_ROWS`).
 

@@ -16,8 +16,8 @@ Where the speculated token comes from:
   speculation was *accepted*), its logits are the model's next-token
   distribution after ``x_t`` (up to the sparse attention the second position
   uses), and their argmax is the greedy guess of ``x_{t+1}``. With
-  ``prefetch.branches: 2`` an unconfident argmax (probability below
-  ``prefetch.confident``) rides with the second most likely token as a third
+  ``experimental.branches: 2`` an unconfident argmax (probability below
+  ``experimental.confident``) rides with the second most likely token as a third
   position: under sampling the real token is then often one of the two, and
   the chain stays in phase. When no riding token was the real one, or on a
   request's first sparse step, it falls back to ``ngram``; with no n-gram
@@ -60,7 +60,7 @@ class SpecState:
         indexed: how many history tokens ``index`` covers.
         proposed, accepted: steps with a verifiable speculation, and those where a riding token
             equalled the real token.
-        seed: the request's sampling seed under ``prefetch.sampling: coupled`` (a hash of its request
+        seed: the request's sampling seed under ``experimental.sampling: coupled`` (a hash of its request
             id and ``sampling_seed``, fixed at its first sparse step); None until then.
     """
 
@@ -152,9 +152,9 @@ class DualTokenSpeculator(Speculator):
 
     def __init__(self, branches: int = 1, confident: float = 0.9):
         if branches not in (1, 2):
-            raise ValueError(f"prefetch.branches must be 1 or 2, got {branches}")
+            raise ValueError(f"experimental.branches must be 1 or 2, got {branches}")
         if not 0.0 <= confident <= 1.0:
-            raise ValueError(f"prefetch.confident must be in [0, 1], got {confident}")
+            raise ValueError(f"experimental.confident must be in [0, 1], got {confident}")
         self.branches, self.confident = branches, confident
 
     def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
