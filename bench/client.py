@@ -55,12 +55,14 @@ def apply_sets(preset: dict, sets: dict | None) -> dict:
 def preset_dict(hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None = None,
                 sets: dict | None = None) -> dict:  # fmt: skip
     """The default CPU preset (``configs/cpu-smollm2.yaml``, unvalidated) as the benchmarks' servers run it:
-    ``prefetch.hit_rate_sample`` set (1.0: every step measured; None: the preset's), optionally
-    ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free memory), then
-    ``sets``: dotted keys (``--set``, :func:`parse_sets`)."""
+    ``prefetch.hit_rate_sample`` set (1.0: every step measured; None: the preset's),
+    ``experimental.request_overrides: true`` (the benchmarks compare speculators and miss policies per
+    request), optionally ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free
+    memory), then ``sets``: dotted keys (``--set``, :func:`parse_sets`)."""
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     if hit_rate_sample is not None:
         preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
+    preset.setdefault("experimental", {})["request_overrides"] = True
     if host_tier_bytes is not None:
         preset["sparse"]["host_tier_bytes"] = host_tier_bytes
     return apply_sets(preset, sets)

@@ -79,7 +79,8 @@ ring before attention, instead of read in place from the host tier, a CPU's
 default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
 With ``--use-prefetched`` each cell's sparse default also runs on the
-``dualdecoder`` server with ``custom_params.dd_miss_policy: use_prefetched``
+``dualdecoder`` server (the default preset with ``experimental.request_overrides: true``,
+:func:`bench.client.preset_dict`) with ``custom_params.dd_miss_policy: use_prefetched``
 (the prediction attended as it arrived, unverified), as
 ``dualdecoder_sparse_use_prefetched``, and ``verify_over_use_prefetched`` is
 the default's tokens/s over it: what guaranteed recall costs. Each sparse
@@ -115,7 +116,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.client import preset_dict, write_result
+from bench.client import bench_preset, preset_dict, write_result
 from bench.machine import describe, machine_state, summary
 from bench.prompts import passkey_prompt
 from bench.server import scrape, start_server
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     # Per server: its flags and its runs per cell (result key, custom_params, step kind timed or None).
     servers = {
         "torch_native": (["--attention-backend", "torch_native"], [("sglang_dense", None, None)]),
-        "dualdecoder": (["--attention-backend", "dualdecoder"],
+        "dualdecoder": (["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None))],
                         [("dualdecoder_dense", {"dd_sparse": False}, "dense"), ("dualdecoder_sparse", {}, "sparse")]),
     }  # fmt: skip
     servers["dualdecoder"][1].extend((f"dualdecoder_sparse_{x}", {"dd_selector": x}, "sparse") for x in extra)

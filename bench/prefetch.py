@@ -89,6 +89,7 @@ def _ratio(a: float, b: float) -> float | None:
 def _preset(tmp: Path, hit_rate_sample: float) -> Path:
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
+    preset["experimental"] = {"request_overrides": True}  # requests choose their speculator (dd_speculator)
     path = tmp / f"preset_{hit_rate_sample}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return path

@@ -280,6 +280,11 @@ class ExperimentalSection(_Strict):
         "over layers and KV heads (DualPath's importance signal). Unmeasured; under tensor parallelism each rank "
         "ranks by its own heads' norms.",
     )  # fmt: skip
+    request_overrides: bool = Field(
+        False,
+        description="Let requests set ``custom_params.dd_speculator`` and ``dd_miss_policy`` (the switches above, "
+        "per request); ``false``: such a request gets HTTP 400 naming the field.",
+    )
 
 
 class DDConfig(_Strict):

@@ -80,7 +80,7 @@ def create_dualdecoder_radix_cache(ctx):
     cfg = current_config()
     total = cfg.sparse.host_tier_bytes
     params = SparseParams.from_config(cfg, host_tier_bytes=host_tier_share(total, ranks))
-    selectors, speculators, _ = request_limits()  # what the tokenizer manager lets requests name
+    selectors, speculators, _, experimental = request_limits()  # what the tokenizer manager lets requests name
     try:
         runtime = sparse_runtime.SparseRuntime(
             params,
@@ -93,6 +93,7 @@ def create_dualdecoder_radix_cache(ctx):
             selectors=selectors,
             speculators=speculators,
             speculator=cfg.experimental.speculator,
+            experimental_overrides=experimental,
         )
     except ValueError as err:
         raise ValueError(

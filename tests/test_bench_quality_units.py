@@ -197,14 +197,16 @@ def test_fidelity_refuses_a_bad_preset_key_before_starting_a_server(capsys):
 
 
 def test_set_overrides_are_dotted_preset_keys_on_the_bench_preset():
-    """``--set SECTION.KEY=VALUE`` (``bench.client.parse_sets``): YAML values, applied to the benchmarks' preset."""
+    """``--set SECTION.KEY=VALUE`` (``bench.client.parse_sets``): YAML values, applied to the benchmarks' preset,
+    which lets requests set the experiment switches they compare."""
     from bench.client import parse_sets, preset_dict
     from dd_sglang.config import parse_config
 
-    sets = parse_sets(["prefetch.rerank=4", "experimental.kernel=torch", "experimental.branches=2"])
-    assert sets == {"prefetch.rerank": 4, "experimental.kernel": "torch", "experimental.branches": 2}
+    sets = parse_sets(["prefetch.rerank=4", "experimental.kernel=torch", "experimental.request_overrides=false"])
+    assert sets == {"prefetch.rerank": 4, "experimental.kernel": "torch", "experimental.request_overrides": False}
     cfg = parse_config(preset_dict(sets=sets))
-    assert (cfg.prefetch.rerank, cfg.experimental.kernel, cfg.experimental.branches) == (4, "torch", 2)
-    assert parse_config(preset_dict()).prefetch.hit_rate_sample == 1.0
+    assert (cfg.prefetch.rerank, cfg.experimental.kernel, cfg.experimental.request_overrides) == (4, "torch", False)
+    base = parse_config(preset_dict())
+    assert base.experimental.request_overrides and base.prefetch.hit_rate_sample == 1.0
     with pytest.raises(ValueError, match="each key once"):
         parse_sets(["prefetch.rerank=4", "prefetch.rerank=2"])

@@ -307,6 +307,35 @@ def test_request_overrides_are_validated_with_the_field_named():
         assert needle in str(e.value)
 
 
+def test_experiment_switches_need_the_presets_permission():
+    """``dd_speculator`` / ``dd_miss_policy`` are refused, naming the field and the preset key that allows
+    them, unless the preset sets ``experimental.request_overrides``; then they are checked as before."""
+    from dd_sglang.kvcache.params import request_overrides
+
+    sel, spec = ("oracle",), ("dual_token", "ngram", "none")
+    for key, value in (("dd_speculator", "ngram"), ("dd_miss_policy", "use_prefetched")):
+        with pytest.raises(ValueError) as e:
+            request_overrides({key: value, "dd_top_k": 8}, sel, spec)
+        assert f"custom_params.{key} is an experiment switch" in str(e.value)
+        assert "experimental.request_overrides: true" in str(e.value)
+    allowed = request_overrides({"dd_speculator": "ngram", "dd_miss_policy": "use_prefetched"}, sel, spec,
+                                experimental=True)  # fmt: skip
+    assert allowed == {"speculator": "ngram", "miss_policy": "use_prefetched"}
+    with pytest.raises(ValueError, match="dd_speculator must be one of"):
+        request_overrides({"dd_speculator": "oracle"}, sel, spec, experimental=True)
+
+
+def test_the_runtime_refuses_experiment_switches_its_preset_does_not_allow():
+    """The scheduler's runtime holds the same gate as the tokenizer manager (a request reaching it
+    anyway is refused there too); with the preset's permission it takes the switch."""
+    rt, *_, req, _tree, _k, _v = setup(params())
+    req.sampling_params = SimpleNamespace(custom_params={"dd_miss_policy": "use_prefetched"})
+    with pytest.raises(ValueError, match="experimental.request_overrides"):
+        rt._overrides(req)
+    rt.experimental_overrides = True
+    assert rt._overrides(req) == {"miss_policy": "use_prefetched"}
+
+
 def test_the_presets_request_limits_bound_the_overrides():
     """``sparse.request_selectors`` / ``request_max_top_k``: the names a request may give are the listed
     ones plus the preset's own selector (in the registry's order); the largest ``dd_top_k`` is the cap."""

@@ -90,17 +90,24 @@ class SparseParams:
 
 #: Per-request overrides a client may put in ``sampling_params.custom_params``
 #: (OpenAI routes: the ``custom_params`` body field), with their allowed values.
+#: ``dd_speculator`` and ``dd_miss_policy`` are experiment switches (:data:`EXPERIMENT_OVERRIDES`).
 OVERRIDE_TOP_K = "dd_top_k"
 OVERRIDE_SELECTOR = "dd_selector"
 OVERRIDE_SPECULATOR = "dd_speculator"
 OVERRIDE_MISS_POLICY = "dd_miss_policy"
 OVERRIDE_SPARSE = "dd_sparse"
 MISS_POLICIES = ("verify", "use_prefetched")
+#: Overrides a request may give only where the preset sets ``experimental.request_overrides: true``.
+EXPERIMENT_OVERRIDES = (OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY)
 TOP_K_RANGE = (1, 1_000_000)
 
 
 def request_overrides(
-    custom_params, selectors: tuple[str, ...], speculators: tuple[str, ...] = (), max_top_k: int = TOP_K_RANGE[1]
+    custom_params,
+    selectors: tuple[str, ...],
+    speculators: tuple[str, ...] = (),
+    max_top_k: int = TOP_K_RANGE[1],
+    experimental: bool = False,
 ) -> dict:
     """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
     "miss_policy": str, "sparse": bool}`` (keys present only). ``dd_sparse: false`` keeps a request
@@ -112,11 +119,13 @@ def request_overrides(
         selectors: the allowed selector names (:meth:`SparseParams.request_selector_names`).
         speculators: the allowed speculator names.
         max_top_k: the largest ``dd_top_k`` allowed (:attr:`SparseParams.request_top_k_max`).
+        experimental: the preset's ``experimental.request_overrides``: whether
+            :data:`EXPERIMENT_OVERRIDES` may be given.
 
     Raises:
         ValueError: ``custom_params`` not a dict, a ``dd_`` key in any case that is not one of
-            the overrides (a typo would otherwise be ignored), or an override
-            has the wrong type or is out of range; the message names
+            the overrides (a typo would otherwise be ignored), an experiment switch where
+            ``experimental`` is false, or an override has the wrong type or is out of range; the message names
             the field and the allowed values. SGLang turns it into an HTTP 400 before the
             request is queued (``patches/sampling_sampling_params.py``).
     """
@@ -132,6 +141,11 @@ def request_overrides(
         if isinstance(key, str) and key.lower().startswith("dd_") and key not in known:
             raise ValueError(
                 f"custom_params.{key} is not a dd_sglang override (keys are lower case); known: {list(known)}"
+            )
+        if key in EXPERIMENT_OVERRIDES and not experimental:
+            raise ValueError(
+                f"custom_params.{key} is an experiment switch: this server's preset does not allow it "
+                "(it needs experimental.request_overrides: true)"
             )
     if OVERRIDE_TOP_K in custom_params:
         v = custom_params[OVERRIDE_TOP_K]

@@ -154,6 +154,8 @@ class SparseRuntime:
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
         speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
         speculator: the preset's speculator (``experimental.speculator``).
+        experimental_overrides: the preset's ``experimental.request_overrides``: requests may
+            set ``custom_params.dd_speculator`` and ``dd_miss_policy``.
 
     Raises:
         ValueError: the device pool's K and V head sizes differ (the host tier stores one
@@ -172,6 +174,7 @@ class SparseRuntime:
         selectors: tuple[str, ...] = ("oracle",),
         speculators: tuple[str, ...] = ("none",),
         speculator: str = "none",
+        experimental_overrides: bool = False,
     ):
         v_dim = getattr(device_pool, "v_head_dim", device_pool.head_dim)
         if v_dim != device_pool.head_dim:
@@ -188,6 +191,7 @@ class SparseRuntime:
         self.selectors = selectors
         self.speculators = speculators
         self.speculator = speculator
+        self.experimental_overrides = experimental_overrides
         self.host = HostSparseKVPool(
             num_layers=len(device_pool.k_buffer),
             num_kv_heads=device_pool.head_num,
@@ -290,7 +294,8 @@ class SparseRuntime:
         """``req``'s ``custom_params`` overrides, checked against this server's limits
         (:func:`~dd_sglang.kvcache.params.request_overrides`; raises its ``ValueError``)."""
         custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-        return request_overrides(custom, self.selectors, self.speculators, self.params.request_top_k_max)
+        return request_overrides(custom, self.selectors, self.speculators, self.params.request_top_k_max,
+                                 self.experimental_overrides)  # fmt: skip
 
     def _host_takes(self, extra: int) -> bool:
         """Whether the host tier (free slots plus finished entries it may evict) can take ``extra``

@@ -104,6 +104,13 @@ CASES = [
      "custom_params.dd_selector must be one of ['spec_host', 'spec_host_exact', 'oracle', 'recency', 'host_sync'] "
      "on this server, got 'quest_device'"),
     ("dd_selector a number", C, comp(custom_params={"dd_selector": 3}), 400, "custom_params.dd_selector must be one of"),
+    ("dd_miss_policy without the preset's experimental.request_overrides", C,
+     comp(custom_params={"dd_miss_policy": "use_prefetched"}), 400,
+     "custom_params.dd_miss_policy is an experiment switch: this server's preset does not allow it "
+     "(it needs experimental.request_overrides: true)"),
+    ("dd_speculator without the preset's experimental.request_overrides", G,
+     gen(custom_params={"dd_speculator": "dual_token"}), 400,
+     "custom_params.dd_speculator is an experiment switch"),
     ("custom_params a string in /generate (was ignored)", G, gen(custom_params='{"dd_top_k": -1}'), 400,
      "custom_params must be a JSON object"),
     ("upper-case dd_ key (was ignored)", G, gen(custom_params={"DD_TOP_K": 1}), 400, "custom_params.DD_TOP_K is not"),
