@@ -78,12 +78,14 @@ With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
 ring before attention, instead of read in place from the host tier, a CPU's
 default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
-With ``--use-prefetched`` each cell's sparse default also runs on the
+With ``--use-prefetched`` each cell also runs ``spec_host`` unverified on the
 ``dualdecoder`` server (the default preset with ``experimental.request_overrides: true``,
-:func:`bench.client.preset_dict`) with ``custom_params.dd_miss_policy: use_prefetched``
-(the prediction attended as it arrived, unverified), as
-``dualdecoder_sparse_use_prefetched``, and ``verify_over_use_prefetched`` is
-the default's tokens/s over it: what guaranteed recall costs. Each sparse
+:func:`bench.client.preset_dict`): ``custom_params`` ``dd_selector: spec_host`` and
+``dd_miss_policy: use_prefetched`` (the prediction attended as it arrived, the
+previous default less its repairs after rejected speculations), as
+``dualdecoder_sparse_use_prefetched``; ``default_over_use_prefetched`` is the
+default's tokens/s over it and, with ``--selectors spec_host``,
+``spec_host_verify_over_use_prefetched`` what guaranteed recall costs ``spec_host``. Each sparse
 breakdown also gives ``repairs`` (verified (request, layer) rows whose
 prediction missed a token) and ``repaired_tokens`` (the tokens fetched
 synchronously, summed over KV heads) per step.
@@ -205,7 +207,8 @@ RATIOS = (
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
     ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
     ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
-    ("verify_over_use_prefetched", "dualdecoder_sparse", "dualdecoder_sparse_use_prefetched"),
+    ("default_over_use_prefetched", "dualdecoder_sparse", "dualdecoder_sparse_use_prefetched"),
+    ("spec_host_verify_over_use_prefetched", "dualdecoder_sparse_spec_host", "dualdecoder_sparse_use_prefetched"),
     ("hit_rate_sample_over_default", "dualdecoder_sparse_hit_rate_sample", "dualdecoder_sparse"),
 )
 
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the sparse default on a server with experimental.transfer: inline (critical sets "
                          "copied into the ring, not read in place)")  # fmt: skip
     ap.add_argument("--use-prefetched", action="store_true",
-                    help="also run the sparse default with custom_params.dd_miss_policy use_prefetched (unverified)")  # fmt: skip
+                    help="also run spec_host with custom_params.dd_miss_policy use_prefetched (unverified)")  # fmt: skip
     ap.add_argument("--hit-rate-sample", type=float, default=None, metavar="F",
                     help="also run the sparse default on a server with prefetch.hit_rate_sample: F (0..1)")  # fmt: skip
     ap.add_argument("--selectors", default="",
@@ -320,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     servers["dualdecoder"][1].extend((f"dualdecoder_sparse_{x}", {"dd_selector": x}, "sparse") for x in extra)
     if args.use_prefetched:
-        servers["dualdecoder"][1].append(("dualdecoder_sparse_use_prefetched", {"dd_miss_policy": "use_prefetched"},
+        servers["dualdecoder"][1].append(("dualdecoder_sparse_use_prefetched",
+                                          {"dd_selector": "spec_host", "dd_miss_policy": "use_prefetched"},
                                           "sparse"))  # fmt: skip
     envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
     if args.unpacked_dense:
@@ -408,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    default / inline selection {r['default_over_inline_select']:.2f}x")
         if "in_place_over_inline" in r:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
-        if "verify_over_use_prefetched" in r:
-            print(f"    verify / use_prefetched {r['verify_over_use_prefetched']:.2f}x")
+        for name in ("default_over_use_prefetched", "spec_host_verify_over_use_prefetched"):
+            if name in r:
+                print(f"    {name} {r[name]:.2f}x")
         if "hit_rate_sample_over_default" in r:
             print(f"    hit_rate_sample {args.hit_rate_sample} / default {r['hit_rate_sample_over_default']:.2f}x")
         if "coupled_over_independent" in r:

@@ -220,11 +220,11 @@ def _recall(after, before, selector, speculator):
             delta(after, before, f"dd_prefetch_verified_lookups_total{lab}"))  # fmt: skip
 
 
-@pytest.mark.parametrize("custom", [{}, {"dd_selector": "spec_host", "dd_speculator": "ngram"}],
-                         ids=["default", "spec_host-ngram"])  # fmt: skip
+@pytest.mark.parametrize("custom", [{"dd_selector": "spec_host"}, {"dd_selector": "spec_host", "dd_speculator": "ngram"}],
+                         ids=["spec_host-dual_token", "spec_host-ngram"])  # fmt: skip
 def test_every_sparse_layer_attends_host_syncs_set_for_its_real_query(dd_server, combo_prompt, custom):
-    """Guaranteed recall (prefetch.miss_policy verify, the default), on real decode steps of the embedded
-    model, sampled (T 0.8, top_p 0.95; with ngram's prompt lookup at T 1.5, whose guesses miss often):
+    """Guaranteed recall (prefetch.miss_policy verify, the default) of spec_host (the selector that predicts;
+    the CPU preset's own is host_sync), on real decode steps of the embedded model, sampled (T 0.8, top_p 0.95; with ngram's prompt lookup at T 1.5, whose guesses miss often):
     on every step after the first (hit_rate_sample 1) and every layer, the sidecar's recall counters
     say the set the layer attended held all of host_sync's top-k for the real query, which the runner
     selects again apart from the step and compares with the columns attention read. The prediction

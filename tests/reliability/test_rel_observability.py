@@ -67,7 +67,8 @@ def test_sidecar_killed_and_restarted(rel_server, tokenizer):
     before = scrape_all(rel_server)
     psutil.Process(old).send_signal(signal.SIGKILL)
     r = rel_server.post(
-        "/v1/completions", {"model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        "/v1/completions", {"model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                            "custom_params": {"dd_selector": "spec_host"}},  # the selector that predicts
     )
     assert r.status_code == 200, r.text
     assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": p, "completion_tokens": 6}
@@ -139,7 +140,8 @@ def test_prometheus_scrapes_every_dashboard_series(rel_server, tokenizer, tmp_pa
     after one sparse request (the prefetch, speculation and transfer series need one)."""
     prompt, _ = passkey_prompt(tokenizer, 1200, 0.5, 13579, header="Prometheus check. ")
     r = rel_server.post(
-        "/v1/completions", {"model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        "/v1/completions", {"model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                            "custom_params": {"dd_selector": "spec_host"}},  # the selector that predicts
     )
     assert r.status_code == 200, r.text
     config = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())

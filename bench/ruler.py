@@ -1,0 +1,244 @@
+"""RULER through lm-eval: dense, the sparse default and exact selection side by side, with 95% intervals.
+
+Usage::
+
+    python -m bench.ruler [--lengths 2048,4096,7680] [--samples 50] [--configs dense,default,host_sync,oracle]
+                          [--task niah_single_1] [--floor] [--url URL] [--concurrency 4]
+                          [--out bench/results/ruler_<host class>.json] [--plot PNG]
+
+RULER's synthetic tasks (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your
+Long-Context Language Models?") as lm-eval 0.4.13 implements them: the haystacks and needles of
+``niah_single_1`` (a repeated noise sentence with one pass key) are generated offline with the
+embedded model's own tokenizer (``tokenizer=`` its converted folder), so nothing is downloaded.
+lm-eval's ``local-completions`` model sends every sample to one ``dualdecoder`` server (started
+here, or ``--url``), greedy, 48 tokens; each configuration is the same request with its
+``custom_params``:
+
+* ``dense``: ``{"dd_sparse": false}``, SGLang's dense decode on the same server;
+* ``default``: the preset's sparse path (``spec_host`` + ``dual_token``, verified);
+* ``spec_host``: the same selector named explicitly;
+* ``use_prefetched``: the default unverified (the prediction attended as it arrived);
+* ``host_sync`` and ``oracle``: exact selection at attention time (the int8 host index with exact
+  re-ranking; every key scored).
+
+lm-eval scores each sample (``string_match_all``: every expected value in the answer) and the
+per-sample scores of its ``--log_samples`` output make the figures here: per (length,
+configuration), the share answered with a Wilson 95% interval, and against ``host_sync`` on the
+same samples the samples each answered and the other did not. One length per lm-eval run
+(``--limit`` takes the first N rows of the whole generated set). ``--floor`` adds one dense run of
+``niah_multikey_2`` and ``ruler_vt`` at 4,096 tokens, where the 135M model sits at its floor: to
+show it, not to judge the sparse path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: Configurations: ``custom_params`` per name (module docstring).
+CONFIGS = {
+    "dense": {"dd_sparse": False},
+    "default": {},
+    "spec_host": {"dd_selector": "spec_host"},
+    "use_prefetched": {"dd_miss_policy": "use_prefetched"},
+    "host_sync": {"dd_selector": "host_sync"},
+    "oracle": {"dd_selector": "oracle"},
+}
+#: Tasks whose data lm-eval generates offline (DESIGN.md: the essay and QA tasks download text).
+TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt",
+         "ruler_cwe", "ruler_fwe")  # fmt: skip
+#: Floor tasks run once, dense, at this length (``--floor``).
+FLOOR_TASKS, FLOOR_LENGTH = ("niah_multikey_2", "ruler_vt"), 4096
+#: The server's device KV pool (tokens): the preset's, room for two 7.5k dense requests.
+POOL_TOKENS = 16384
+
+
+def run_task(url: str, tokenizer: str, task: str, length: int, samples: int, custom: dict, concurrency: int,
+             max_gen_toks: int) -> list[dict]:  # fmt: skip
+    """One lm-eval run of ``task`` at ``length`` tokens against ``url`` with ``custom`` params.
+
+    Returns one record per sample: ``{"doc_id", "score", "answer", "target"}`` (score in [0, 1],
+    lm-eval's own ``process_results`` value for that length).
+
+    Raises:
+        RuntimeError: lm-eval returned no sample of ``task`` (e.g. the server refused every request).
+    """
+    import lm_eval
+
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": "smollm2", "base_url": f"{url}/v1/completions", "tokenizer": tokenizer,
+                    "tokenizer_backend": "huggingface", "num_concurrent": concurrency, "max_retries": 1,
+                    "timeout": 1800},  # fmt: skip
+        tasks=[task],
+        limit=samples,
+        gen_kwargs={"max_gen_toks": max_gen_toks, "custom_params": custom} if custom else {"max_gen_toks": max_gen_toks},
+        metadata={"max_seq_lengths": [length]},
+        log_samples=True,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+    rows = (out or {}).get("samples", {}).get(task) or []
+    if not rows:
+        raise RuntimeError(f"lm-eval returned no samples of {task} at {length} tokens from {url}")
+    recs = []
+    for s in rows:
+        resp = s.get("filtered_resps") or s.get("resps") or [""]
+        while isinstance(resp, list):
+            resp = resp[0] if resp else ""
+        recs.append({"doc_id": s["doc_id"], "score": float(s[str(length)]), "answer": str(resp)[:120],
+                     "target": s.get("target")})  # fmt: skip
+    return sorted(recs, key=lambda r: r["doc_id"])
+
+
+def summarize(recs: list[dict], reference: list[dict] | None) -> dict:
+    """Share answered with its Wilson 95% interval and, against ``reference`` (the same samples under
+    ``host_sync``), how many samples only this configuration / only the reference answered."""
+    from bench.stats import wilson
+
+    right = sum(r["score"] >= 1.0 for r in recs)
+    lo, hi = wilson(right, len(recs))
+    out = {"n": len(recs), "right": right, "score": right / len(recs), "ci95": [round(lo, 4), round(hi, 4)],
+           "mean_score": sum(r["score"] for r in recs) / len(recs)}  # fmt: skip
+    if reference is not None:
+        ref = {r["doc_id"]: r["score"] >= 1.0 for r in reference}
+        mine = {r["doc_id"]: r["score"] >= 1.0 for r in recs}
+        both = set(ref) & set(mine)
+        out["vs_host_sync"] = {"only_this": sum(mine[d] and not ref[d] for d in both),
+                               "only_host_sync": sum(ref[d] and not mine[d] for d in both), "paired": len(both)}  # fmt: skip
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    """Grouped bars: per length, each configuration's share answered with its 95% interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result["cells"]
+    lengths = sorted({c["length"] for c in cells})
+    configs = list(dict.fromkeys(c["config"] for c in cells))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(configs), 1)
+    for j, name in enumerate(configs):
+        xs, ys, err = [], [], [[], []]
+        for i, length in enumerate(lengths):
+            c = next((c for c in cells if c["config"] == name and c["length"] == length), None)
+            if c is None:
+                continue
+            xs.append(i + (j - (len(configs) - 1) / 2) * width)
+            ys.append(c["score"])
+            err[0].append(c["score"] - c["ci95"][0])
+            err[1].append(c["ci95"][1] - c["score"])
+        ax.bar(xs, ys, width, yerr=err, capsize=3, label=name)
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel(f"{result['task']}: share answered (95% CI)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8, ncol=len(configs))
+    ax.set_title(f"RULER {result['task']} through lm-eval, {result['samples']} samples per cell")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ruler", description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="2048,4096,7680", help="comma list of RULER sequence lengths (tokens)")
+    ap.add_argument("--samples", type=int, default=50, help="samples per (length, configuration): lm-eval --limit")
+    ap.add_argument("--configs", default="dense,default,host_sync,oracle",
+                    help=f"comma list of configurations: {', '.join(CONFIGS)}")  # fmt: skip
+    ap.add_argument("--task", default="niah_single_1", help=f"RULER task generated offline: {', '.join(TASKS)}")
+    ap.add_argument("--floor", action="store_true", help=f"also run {', '.join(FLOOR_TASKS)} once, dense, at {FLOOR_LENGTH}")
+    ap.add_argument("--url", default=None, help="a running dualdecoder server (default: start one here)")
+    ap.add_argument("--concurrency", type=int, default=4, help="lm-eval num_concurrent")
+    ap.add_argument("--max-gen-toks", type=int, default=48, help="tokens generated per sample (the task's 128, cut)")
+    ap.add_argument("--out", default=None, help="result JSON (default bench/results/ruler_<host class>.json)")
+    ap.add_argument("--plot", default=None, help="PNG (default: the JSON's path with .png)")
+    args = ap.parse_args(argv)
+    from bench.client import check_ranges
+
+    check_ranges(ap, args, (("samples", 1, 100_000), ("concurrency", 1, 64), ("max_gen_toks", 1, 1024)))
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+    except ValueError:
+        ap.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    if not lengths or any(not 256 <= n <= 8192 for n in lengths):
+        ap.error(f"--lengths must be in [256, 8192] (the embedded model's context), got {args.lengths!r}")
+    configs = [x for x in args.configs.split(",") if x]
+    if not configs or any(c not in CONFIGS for c in configs):
+        ap.error(f"--configs must name configurations of {list(CONFIGS)}, got {args.configs!r}")
+    if args.task not in TASKS:
+        ap.error(f"--task must be one of {list(TASKS)}, got {args.task!r}")
+    from bench import machine
+    from dd_sglang.models.smollm2 import prepare_model
+
+    out = Path(args.out or f"bench/results/ruler_{machine.host_class(machine.host().get('cpu_model'))}.json")
+    tokenizer = str(prepare_model(progress=False))
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    command = "python -m bench.ruler " + " ".join(argv if argv is not None else sys.argv[1:])
+    srv, tmp, dtype = None, None, None
+    url = args.url
+    t0 = time.monotonic()
+    try:
+        if url is None:
+            from bench.client import COMMON_FLAGS, bench_preset
+            from bench.server import start_server
+
+            tmp = Path(tempfile.mkdtemp(prefix="dd_ruler_"))
+            # The default preset, letting requests set dd_miss_policy (experimental.request_overrides).
+            flags = ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None)), *COMMON_FLAGS]
+            srv = start_server(tmp / "server.log", POOL_TOKENS, flags, timeout=900)
+            url, dtype = srv.url, srv.dtype
+        cells, samples = [], {}
+        for length in lengths:
+            per = {}
+            for name in configs:
+                t1 = time.monotonic()
+                per[name] = run_task(url, tokenizer, args.task, length, args.samples, CONFIGS[name], args.concurrency,
+                                     args.max_gen_toks)  # fmt: skip
+                print(f"{args.task} {length} {name}: {sum(r['score'] >= 1 for r in per[name])}/{len(per[name])} "
+                      f"({time.monotonic() - t1:.0f} s)", flush=True)  # fmt: skip
+            for name in configs:
+                cells.append({"length": length, "config": name, "custom_params": CONFIGS[name],
+                              **summarize(per[name], per.get("host_sync") if name != "host_sync" else None)})  # fmt: skip
+            samples[str(length)] = per
+        floor = []
+        if args.floor:
+            for task in FLOOR_TASKS:
+                recs = run_task(url, tokenizer, task, FLOOR_LENGTH, min(args.samples, 20), CONFIGS["dense"],
+                                args.concurrency, args.max_gen_toks)  # fmt: skip
+                floor.append({"task": task, "length": FLOOR_LENGTH, "config": "dense", **summarize(recs, None)})
+                print(f"floor {task} {FLOOR_LENGTH} dense: {floor[-1]['right']}/{floor[-1]['n']}", flush=True)
+    finally:
+        if srv is not None:
+            srv.stop()
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    from bench.client import write_result
+
+    result = {"benchmark": "ruler", "task": args.task, "samples": args.samples, "max_gen_toks": args.max_gen_toks,
+              "command": command, "dtype": dtype, "lm_eval": "0.4.13 local-completions, greedy",
+              "seconds": round(time.monotonic() - t0, 1), "cells": cells, "floor": floor,
+              "per_sample": samples}  # fmt: skip
+    write_result(result, out)
+    plot(result, Path(args.plot) if args.plot else out.with_suffix(".png"))
+    for c in cells:
+        vs = c.get("vs_host_sync")
+        extra = f", only this {vs['only_this']} / only host_sync {vs['only_host_sync']}" if vs else ""
+        print(f"{c['length']:>5} {c['config']:<15} {c['right']}/{c['n']} = {c['score']:.2f} "
+              f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]{extra}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
