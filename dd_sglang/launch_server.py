@@ -22,7 +22,9 @@ Start-up, in order (every check runs before any SGLang process exists):
    ``PROMETHEUS_MULTIPROC_DIR`` (a fresh folder) and the preset in
    ``DD_SGLANG_CONFIG_JSON``; SGLang loads dd_sglang's plugins in each of its
    processes through entry points. The child also gets SIGTERM if this
-   launcher dies (``PR_SET_PDEATHSIG``).
+   launcher dies (``PR_SET_PDEATHSIG``), and the oneDNN caches of bfloat16 CPU matmuls bounded
+   (:func:`dd_sglang.platform.bounded_cache_env`: 256 entries each unless the environment sets them;
+   their default 1,024 let a server grow ~690 MiB, ``docs/operations-memory.md``).
 7. Start the metrics sidecar (``python -m dd_sglang.metrics.sidecar``,
    FastAPI/uvicorn) as a child process serving on the metrics socket this
    launcher bound and keeps. It only reads the metrics folder; if it dies it is
@@ -54,6 +56,7 @@ from pathlib import Path
 import httpx
 
 from dd_sglang.config import ConfigError, DDConfig, load_config
+from dd_sglang.platform import bounded_cache_env
 from dd_sglang.plugin.runtime import CONFIG_ENV
 
 logger = logging.getLogger("dd_sglang.launch_server")
@@ -534,6 +537,7 @@ def _serve(cfg: DDConfig, full_argv: list[str], threads_bind: str | None, host: 
     env["TMPDIR"] = sglang_tmp  # SGLang's temporary files go with it (TMP_DIR_PREFIX)
     env[CONFIG_ENV] = json.dumps(cfg.model_dump())
     env.pop("SGLANG_USE_CPU_ENGINE", None)
+    env.update(bounded_cache_env(env))  # the oneDNN caches keyed by shape, bounded (issue 44)
     if threads_bind is not None:
         env[CPU_BIND_ENV] = threads_bind
     cmd = [sys.executable, "-m", "sglang.launch_server", *full_argv]

@@ -1,12 +1,20 @@
-"""``bench.soak`` without a server: its growth fit, flags and prompts (issue 44)."""
+"""``bench.soak`` without a server (its growth fit, flags and process roles) and the launcher's
+bound on the oneDNN caches (issue 44)."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench import soak
+from dd_sglang.platform import ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_ENVS, bounded_cache_env
 
 MiB = 1024**2
+
+
+def test_bounded_cache_env_sets_both_caps_and_keeps_the_users():
+    assert bounded_cache_env({}) == dict.fromkeys(ONEDNN_CACHE_ENVS, str(ONEDNN_CACHE_CAPACITY))
+    assert bounded_cache_env({"LRU_CACHE_CAPACITY": "1024"}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
+    assert bounded_cache_env(dict.fromkeys(ONEDNN_CACHE_ENVS, "8")) == {}
 
 
 def _row(n: int, scheduler_mib: float) -> dict:

@@ -26,6 +26,26 @@ PLATFORM_CLASS = "dd_sglang.platform.cpu.TorchCpuPlatform"
 #: Here, not in ``linear``, so the launcher refuses a bad value without importing PyTorch.
 PREPACK_ENV = "DD_SGLANG_CPU_PREPACK"
 
+#: Entries of the two caches of oneDNN primitives a bfloat16 CPU matmul goes through, keyed by shape
+#: (row count, weight shape, threads): PyTorch's ideep cache (``LRU_CACHE_CAPACITY``) and oneDNN's own
+#: primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), 1,024 each by default. Every prefill chunk of
+#: a new length (the last chunk of nearly every prompt) adds one entry per weight shape, ~0.67 MiB
+#: for SmolLM2's (~2.7 MiB a new length: ``docs/operations-memory.md``), so a server fed prompts of
+#: many lengths grew ~1.3 MiB a request until ~1,024 entries (~690 MiB) were held. 256 keeps a
+#: decode step's shapes (its row counts x 5 weight shapes, per thread count) and bounds the caches
+#: at about a quarter of that.
+ONEDNN_CACHE_CAPACITY = 256
+#: The variables :func:`bounded_cache_env` sets.
+ONEDNN_CACHE_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bounded_cache_env(environ: dict[str, str]) -> dict[str, str]:
+    """The variables the launcher adds to SGLang's environment so the oneDNN caches stay bounded
+    (:data:`ONEDNN_CACHE_CAPACITY` entries each): each of :data:`ONEDNN_CACHE_ENVS` that ``environ``
+    does not set already (a value the user set is kept, even one that is not a number: oneDNN and
+    ideep read it)."""
+    return {name: str(ONEDNN_CACHE_CAPACITY) for name in ONEDNN_CACHE_ENVS if name not in environ}
+
 
 def cuda_available() -> bool:
     """True when PyTorch sees a usable CUDA (or ROCm) device.
