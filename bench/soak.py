@@ -35,7 +35,9 @@ type (``gc``) and, under ``--env PYTHONTRACEMALLOC=1``, tracemalloc's largest li
 ``malloc_trim(0)`` (``probe_trim``).
 
 Bounded: at most ``--requests`` requests and ``--seconds`` seconds of traffic (the round in flight
-finishes), loopback only, one server, stopped at the end. Output: JSON (with
+finishes), loopback only, one server, stopped at the end; the samples so far are rewritten after each
+round to ``samples.partial.json`` in the run's temporary folder (printed at the start), which a
+killed run leaves behind. Output: JSON (with
 :func:`bench.machine.measured`'s head: command, provenance, machine) and a PNG plot of RSS per role
 and total against requests (``HOSTCLASS``: :func:`bench.machine.host_class`). Nothing here is a pass/fail test; the exit code is 1 only when a
 request failed or the server did not stop cleanly.
@@ -284,6 +286,9 @@ def run(args) -> dict:
     kinds = {"answered": 0, "streamed": 0}
     sent = 0
     stopped_by = "requests"
+    # The samples so far, rewritten after each round: what a run that is killed leaves behind.
+    partial = tmp / "samples.partial.json"
+    print(f"[soak] server log {srv.log_path}, samples so far in {partial}", file=sys.stderr, flush=True)
     try:
         srv.wait_ready(900)
         t0 = time.monotonic()
@@ -304,6 +309,7 @@ def run(args) -> dict:
                 raise RuntimeError(f"server exited with {srv.proc.returncode}:\n{srv.log_tail()}")
             time.sleep(1.0)  # the aborted streams' releases and the sidecar's gauges settle
             samples.append(sample(srv, sent, t0, len(errors), probe_dir))
+            partial.write_text(json.dumps({"command": " ".join(sys.argv), "samples": samples}) + "\n")
         wall = time.monotonic() - t0
         if probe_dir is not None:  # how much of each heap glibc held free: malloc_trim(0), last
             trimmed = probe(probe_dir, f"r{sent}-trim", roles(srv)["pids"], trim=True)
