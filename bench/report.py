@@ -318,6 +318,34 @@ def _title(name: str, res: dict) -> str:
     return res.get("benchmark") or res.get("bench") or res.get("what") or name
 
 
+def ruler_table(res: dict) -> str:
+    """``bench.ruler``: per length and configuration, the share answered with its Wilson 95% interval and,
+    on the same samples, how many only it / only ``host_sync`` answered; then the floor tasks."""
+    rows = ["| length (tokens) | configuration | answered | 95% CI | only this / only host_sync |", "|---|---|---|---|---|"]
+    for c in res["cells"]:
+        vs = c.get("vs_host_sync")
+        paired = f"{vs['only_this']} / {vs['only_host_sync']}" if vs else "-"
+        rows.append(f"| {c['length']:,} | {c['config']} | {c['right']}/{c['n']} = {c['score']:.2f} | "
+                    f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] | {paired} |")  # fmt: skip
+    for f in res.get("floor") or []:
+        rows.append(f"| {f['length']:,} | {f['config']} ({f['task']}, floor) | {f['right']}/{f['n']} = {f['score']:.2f} | "
+                    f"[{f['ci95'][0]:.2f}, {f['ci95'][1]:.2f}] | - |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def recall_table(res: dict) -> str:
+    """``bench.recall``: per context and regime, the prediction's recall (mean over requests, 95% CI),
+    pooled, and the speculation's acceptance."""
+    rows = ["| context | top_k | regime | recall (mean over requests) | 95% CI | pooled | acceptance | requests |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in res["cells"]:
+        r = c["recall"]
+        acc = "-" if c["acceptance"] is None else f"{c['acceptance']:.2f}"
+        rows.append(f"| {c['context']:,} | {c['top_k']} | {c['regime']} | {r['mean']:.3f} | [{r['ci_low']:.3f}, "
+                    f"{r['ci_high']:.3f}] | {c['pooled_recall']:.3f} | {acc} | {r['n']} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
     """The whole of ``docs/benchmarks.md`` from the JSON files directly under ``results`` (sorted
     by name); with ``plots``, also writes the quality plots there (:data:`PAGE_PLOTS`' names)."""
@@ -342,6 +370,15 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
             out += [f"Device KV budget: {r['device_kv_budget_tokens']:,} tokens, {len(r['prompt_tokens'][0])} requests "
                     f"of ~{r['prompt_tokens'][0][0]:,} tokens, {r['new_tokens_per_request']} new tokens each, "
                     f"{r.get('rounds', 1)} round(s).", "", capacity_table(r)]  # fmt: skip
+        elif name.startswith("ruler"):
+            out += [f"RULER `{r['task']}` through lm-eval, {r['samples']} samples per cell, greedy, "
+                    f"{r['max_gen_toks']} tokens:", "", ruler_table(r)]  # fmt: skip
+            png = Path(name).with_suffix(".png").name
+            if (results / png).exists():
+                out += [f"![RULER {r['task']}](../bench/results/{png})", ""]
+        elif name.startswith("recall"):
+            out += ["The speculated query's recall of the set each layer attended (host_sync's set for the real "
+                    "query), per request:", "", recall_table(r)]  # fmt: skip
         elif name.startswith("fidelity"):
             out += ["Retrieval found / trials and teacher-forced NLL relative to dense, per configuration:", "",
                     fidelity_summary(r)]  # fmt: skip

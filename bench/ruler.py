@@ -10,9 +10,9 @@ RULER's synthetic tasks (Hsieh et al., 2024, "RULER: What's the Real Context Siz
 Long-Context Language Models?") as lm-eval 0.4.13 implements them: the haystacks and needles of
 ``niah_single_1`` (a repeated noise sentence with one pass key) are generated offline with the
 embedded model's own tokenizer (``tokenizer=`` its converted folder), so nothing is downloaded.
-lm-eval's ``local-completions`` model sends every sample to one ``dualdecoder`` server (started
-here, or ``--url``), greedy, 48 tokens; each configuration is the same request with its
-``custom_params``:
+Every sample goes to one ``dualdecoder`` server (started here, or ``--url``) as an OpenAI
+``/v1/completions`` request, greedy, ``--max-gen-toks`` tokens, once per configuration: the same
+request with the configuration's ``custom_params``:
 
 * ``dense``: ``{"dd_sparse": false}``, SGLang's dense decode on the same server;
 * ``default``: the preset's sparse path (``spec_host`` + ``dual_token``, verified);
@@ -21,7 +21,11 @@ here, or ``--url``), greedy, 48 tokens; each configuration is the same request w
 * ``host_sync`` and ``oracle``: exact selection at attention time (the int8 host index with exact
   re-ranking; every key scored).
 
-lm-eval scores each sample (``string_match_all``: every expected value in the answer) and the
+The configurations of one sample are sent back to back (:class:`FanOutCompletions`, an lm-eval
+``LM``; samples run ``--concurrency`` at a time), so the prompt is prefilled once and the other
+configurations find it in SGLang's prefix cache: on 2 cores prefill is most of a 7.5k sample's
+cost. lm-eval then evaluates each configuration on its own (one ``simple_evaluate`` per
+configuration, answered from those responses). lm-eval scores each sample (``string_match_all``: every expected value in the answer) and the
 per-sample scores of its ``--log_samples`` output make the figures here: per (length,
 configuration), the share answered with a Wilson 95% interval, and against ``host_sync`` on the
 same samples the samples each answered and the other did not. One length per lm-eval run
@@ -57,27 +61,77 @@ FLOOR_TASKS, FLOOR_LENGTH = ("niah_multikey_2", "ruler_vt"), 4096
 POOL_TOKENS = 16384
 
 
-def run_task(url: str, tokenizer: str, task: str, length: int, samples: int, custom: dict, concurrency: int,
+class FanOutCompletions:
+    """An lm-eval ``LM`` (``generate_until`` only) that sends each request once per configuration.
+
+    For every request not answered yet it posts ``/v1/completions`` (greedy, ``max_tokens``, the
+    request's ``until`` as ``stop``) under every configuration of ``configs``, back to back, and keeps
+    the texts; it answers lm-eval with the texts of :attr:`current` (set before each
+    ``simple_evaluate``). Requests run ``concurrency`` at a time.
+
+    Raises:
+        RuntimeError: the server answered a request with an HTTP error (its body quoted).
+    """
+
+    def __init__(self, url: str, configs: dict[str, dict], max_tokens: int, concurrency: int):
+        from lm_eval.api.model import LM
+
+        self.url, self.configs, self.max_tokens, self.concurrency = url, configs, max_tokens, concurrency
+        self.answers: dict[tuple[str, str], str] = {}
+        self.current = next(iter(configs))
+        self.lm = type("DDFanOut", (LM,), {"generate_until": lambda lm, reqs, disable_tqdm=False: self.generate(reqs),
+                                            "loglikelihood": _no_loglikelihood,
+                                            "loglikelihood_rolling": _no_loglikelihood})()  # fmt: skip
+
+    def _post(self, client, context: str, stop: list[str] | None) -> None:
+        for name, custom in self.configs.items():
+            if (name, context) in self.answers:
+                continue
+            body = {"model": "smollm2", "prompt": context, "max_tokens": self.max_tokens, "temperature": 0,
+                    **({"stop": stop} if stop else {}), **({"custom_params": custom} if custom else {})}  # fmt: skip
+            r = client.post(f"{self.url}/v1/completions", json=body, timeout=1800)
+            if r.status_code != 200:
+                raise RuntimeError(f"{name}: HTTP {r.status_code}: {r.text[:300]}")
+            self.answers[(name, context)] = r.json()["choices"][0]["text"]
+
+    def generate(self, requests) -> list[str]:
+        """lm-eval's ``generate_until``: the texts of :attr:`current` for ``requests``."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+
+        args = [(req.args[0], list(req.args[1].get("until") or [])) for req in requests]
+        with httpx.Client() as client, ThreadPoolExecutor(self.concurrency) as pool:
+            for f in [pool.submit(self._post, client, ctx, stop) for ctx, stop in args]:
+                f.result()
+        return [self.answers[(self.current, ctx)] for ctx, _ in args]
+
+
+def _no_loglikelihood(lm, requests, disable_tqdm=False):
+    raise NotImplementedError("bench.ruler runs generation tasks only")
+
+
+def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samples: int, config: str,
              max_gen_toks: int) -> list[dict]:  # fmt: skip
-    """One lm-eval run of ``task`` at ``length`` tokens against ``url`` with ``custom`` params.
+    """One lm-eval evaluation of ``task`` at ``length`` tokens, answered with configuration ``config``.
 
     Returns one record per sample: ``{"doc_id", "score", "answer", "target"}`` (score in [0, 1],
     lm-eval's own ``process_results`` value for that length).
 
     Raises:
-        RuntimeError: lm-eval returned no sample of ``task`` (e.g. the server refused every request).
+        RuntimeError: lm-eval returned no sample of ``task``.
     """
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
+    lm.current = config
     out = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args={"model": "smollm2", "base_url": f"{url}/v1/completions", "tokenizer": tokenizer,
-                    "tokenizer_backend": "huggingface", "num_concurrent": concurrency, "max_retries": 1,
-                    "timeout": 1800},  # fmt: skip
+        model=lm.lm,
         tasks=[task],
+        task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer,
+                                           "pretrained": tokenizer}),  # fmt: skip
         limit=samples,
-        gen_kwargs={"max_gen_toks": max_gen_toks, "custom_params": custom} if custom else {"max_gen_toks": max_gen_toks},
-        metadata={"max_seq_lengths": [length]},
+        gen_kwargs={"max_gen_toks": max_gen_toks},
         log_samples=True,
         random_seed=0,
         numpy_random_seed=0,
@@ -86,7 +140,7 @@ def run_task(url: str, tokenizer: str, task: str, length: int, samples: int, cus
     )
     rows = (out or {}).get("samples", {}).get(task) or []
     if not rows:
-        raise RuntimeError(f"lm-eval returned no samples of {task} at {length} tokens from {url}")
+        raise RuntimeError(f"lm-eval returned no samples of {task} at {length} tokens")
     recs = []
     for s in rows:
         resp = s.get("filtered_resps") or s.get("resps") or [""]
@@ -159,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", action="store_true", help=f"also run {', '.join(FLOOR_TASKS)} once, dense, at {FLOOR_LENGTH}")
     ap.add_argument("--url", default=None, help="a running dualdecoder server (default: start one here)")
     ap.add_argument("--concurrency", type=int, default=4, help="lm-eval num_concurrent")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                    help="the started server's --dtype (default: the launcher's choice for this CPU); every "
+                         "configuration runs on that one server")  # fmt: skip
     ap.add_argument("--max-gen-toks", type=int, default=48, help="tokens generated per sample (the task's 128, cut)")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/ruler_<host class>.json)")
     ap.add_argument("--plot", default=None, help="PNG (default: the JSON's path with .png)")
@@ -194,16 +251,17 @@ def main(argv: list[str] | None = None) -> int:
 
             tmp = Path(tempfile.mkdtemp(prefix="dd_ruler_"))
             # The default preset, letting requests set dd_miss_policy (experimental.request_overrides).
-            flags = ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None)), *COMMON_FLAGS]
+            flags = ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None)), *COMMON_FLAGS,
+                     *(["--dtype", args.dtype] if args.dtype else [])]  # fmt: skip
             srv = start_server(tmp / "server.log", POOL_TOKENS, flags, timeout=900)
             url, dtype = srv.url, srv.dtype
         cells, samples = [], {}
+        lm = FanOutCompletions(url, {name: CONFIGS[name] for name in configs}, args.max_gen_toks, args.concurrency)
         for length in lengths:
             per = {}
             for name in configs:
                 t1 = time.monotonic()
-                per[name] = run_task(url, tokenizer, args.task, length, args.samples, CONFIGS[name], args.concurrency,
-                                     args.max_gen_toks)  # fmt: skip
+                per[name] = run_task(lm, tokenizer, args.task, length, args.samples, name, args.max_gen_toks)
                 print(f"{args.task} {length} {name}: {sum(r['score'] >= 1 for r in per[name])}/{len(per[name])} "
                       f"({time.monotonic() - t1:.0f} s)", flush=True)  # fmt: skip
             for name in configs:
@@ -212,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             samples[str(length)] = per
         floor = []
         if args.floor:
+            dense = FanOutCompletions(url, {"dense": CONFIGS["dense"]}, args.max_gen_toks, args.concurrency)
             for task in FLOOR_TASKS:
-                recs = run_task(url, tokenizer, task, FLOOR_LENGTH, min(args.samples, 20), CONFIGS["dense"],
-                                args.concurrency, args.max_gen_toks)  # fmt: skip
+                recs = run_task(dense, tokenizer, task, FLOOR_LENGTH, min(args.samples, 20), "dense", args.max_gen_toks)
                 floor.append({"task": task, "length": FLOOR_LENGTH, "config": "dense", **summarize(recs, None)})
                 print(f"floor {task} {FLOOR_LENGTH} dense: {floor[-1]['right']}/{floor[-1]['n']}", flush=True)
     finally:
@@ -227,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.client import write_result
 
     result = {"benchmark": "ruler", "task": args.task, "samples": args.samples, "max_gen_toks": args.max_gen_toks,
-              "command": command, "dtype": dtype, "lm_eval": "0.4.13 local-completions, greedy",
+              "command": command, "dtype": dtype, "lm_eval": "0.4.13, greedy /v1/completions (bench.ruler.FanOutCompletions)",
               "seconds": round(time.monotonic() - t0, 1), "cells": cells, "floor": floor,
               "per_sample": samples}  # fmt: skip
     write_result(result, out)
