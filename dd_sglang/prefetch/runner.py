@@ -646,7 +646,7 @@ class SparseStepRunner:
         hkv = want_pos.shape[1]
         for i, j in enumerate(rows.tolist()):
             self.tally.verify(plan.labels[j], int(v.hits[i]), hkv * int(top_k[i]))
-        self.tally.miss("verify", int(v.fetched.any(dim=2).sum()), fetched)
+        self.tally.miss("verify", int(v.fetched.flatten(1).any(dim=1).sum()), fetched)  # rows (this layer) that fetched
         if plan.sampled.numel():  # what attention reads: the in-place table, else the ring's columns
             if self._crit is not None:
                 attended = self._crit[layer, : plan.n_ahead].clone()
