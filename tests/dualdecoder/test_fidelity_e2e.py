@@ -37,7 +37,7 @@ BF16_LOGPROB_TOL = 0.25
 @pytest.mark.skipif(not (LICENSES / "Apache-2.0").exists(), reason="no Debian common-licenses folder")
 @pytest.mark.parametrize(
     "config,custom",
-    [("dense", None), ("default", {}), ("oracle", {"dd_selector": "oracle"})],
+    [("dense", None), ("default", {}), ("spec_host", {"dd_selector": "spec_host"}), ("oracle", {"dd_selector": "oracle"})],
 )
 def test_issue10_input_answers_leopold(server, dd_server, tokenizer, config, custom):
     """Issue 10: a fact copied out of the middle of ~3,800 tokens of licence text, greedy, 16 tokens."""
@@ -172,3 +172,24 @@ def test_report_quick(quick_results):
     for name in list(fid["settings"]["configs"]) + list(pred["settings"]["configs"]) + ["dense", "ceiling"]:
         assert name in md
     assert md.count("\n| ") >= len(fid["cells"]) + len(pred["cells"]) + 2 * len(pred["ceiling_cells"])
+
+
+def test_ruler_smoke_run_checks_the_wiring(dd_server, tmp_path):
+    """``bench.ruler`` at two samples of RULER's niah_single_1 at 2,048 tokens against the package's server:
+    lm-eval generates the data offline with the embedded tokenizer, every configuration of a sample is
+    answered (dense and the sparse default back to back), lm-eval scores each, and the JSON carries the
+    cells, intervals and per-sample records (the wiring, not the scores: those are bench.ruler's own runs)."""
+    from bench import ruler
+
+    out = tmp_path / "ruler.json"
+    assert ruler.main(["--url", dd_server.url, "--samples", "2", "--lengths", "2048", "--configs", "dense,default",
+                       "--out", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["provenance"]["commit"] and res["task"] == "niah_single_1"
+    assert [(c["length"], c["config"], c["n"]) for c in res["cells"]] == [(2048, "dense", 2), (2048, "default", 2)]
+    for c in res["cells"]:
+        assert 0 <= c["right"] <= 2 and 0 <= c["ci95"][0] <= c["score"] <= c["ci95"][1] <= 1
+    recs = res["per_sample"]["2048"]
+    assert [r["doc_id"] for r in recs["dense"]] == [r["doc_id"] for r in recs["default"]] == [0, 1]
+    assert all(r["answer"] for r in recs["dense"])  # the server answered every sample
+    assert out.with_suffix(".png").exists()
