@@ -24,6 +24,22 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Lowest port :func:`free_port` draws from; it draws below the kernel's ephemeral range.
 PORT_FLOOR = 20000
 
+#: Ports SGLang draws its own ``nccl_port`` from when ``--nccl-port`` is not given
+#: (``get_free_port_below_ephemeral(low=22000, high=29999)`` in ``sglang/srt/utils/network.py``,
+#: called by ``PortArgs.init_new`` in ``sglang/srt/server_args.py``). :func:`free_port` skips them:
+#: one server's scheduler binds that port only after its start-up, and a port handed to another
+#: server meanwhile was taken under that server's HTTP listener (a CI run: "[Errno 98] ... address
+#: already in use", then 600 s until the launcher gave up). ``tests/test_patch_symbols.py`` checks
+#: these defaults against the pinned SGLang.
+SGLANG_NCCL_PORTS = range(22000, 30000)
+
+#: How often :meth:`ServerProcess.wait_ready` relaunches on fresh ports after the HTTP port was
+#: taken during start-up.
+PORT_RETRIES = 2
+
+#: What SGLang's uvicorn logs when its HTTP port was taken; SGLang then hangs in shutdown.
+_BIND_FAILED = "error while attempting to bind on address"
+
 
 def _ephemeral_low() -> int:
     """First port of the kernel's ephemeral range (``ip_local_port_range``; 32768 if unreadable)."""
@@ -39,13 +55,15 @@ def free_port() -> int:
     A port the kernel handed out for ``bind(0)`` lies in the ephemeral range, which it also uses for
     the local side of outgoing connections: between this call and the server's own bind, a client
     connection (SGLang's start-up makes many) could take it ("Address already in use", seen in a
-    full test run). Ports below that range are never assigned to outgoing connections. Falls back to
-    ``bind(0)`` after 200 taken draws.
+    full test run). Ports below that range are never assigned to outgoing connections, and ports in
+    :data:`SGLANG_NCCL_PORTS` are left to SGLang's own draws. Falls back to ``bind(0)`` after 200
+    taken draws.
     """
     hi = _ephemeral_low()
+    ports = [p for p in range(PORT_FLOOR, hi) if p not in SGLANG_NCCL_PORTS]
     rng = random.SystemRandom()
-    for _ in range(200 if hi > PORT_FLOOR + 100 else 0):
-        port = rng.randrange(PORT_FLOOR, hi)
+    for _ in range(200 if len(ports) > 100 else 0):
+        port = rng.choice(ports)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -79,10 +97,36 @@ class ServerProcess:
     peak_rss_bytes: int = 0
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
     _launched: float = 0.0
+    #: The launcher's arguments after ``--port P --metrics-port M``, and its extra environment.
+    _args: list[str] = field(default_factory=list)
+    _env: dict[str, str] | None = None
+    #: Relaunches made after the HTTP port was taken during start-up (at most :data:`PORT_RETRIES`).
+    relaunches: int = 0
+
+    def _spawn(self) -> None:
+        """Start the launcher on two fresh ports (:func:`free_port`), logging to :attr:`log_path`."""
+        port, mport = free_port(), free_port()
+        cmd = [sys.executable, "-m", "dd_sglang.launch_server",
+               "--port", str(port), "--metrics-port", str(mport), *self._args]  # fmt: skip
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **self._env} if self._env else None)  # fmt: skip
+        self.url, self.metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}"
+        self._launched = time.monotonic()
+
+    def _port_taken(self) -> bool:
+        try:
+            return _BIND_FAILED in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
 
     def wait_ready(self, timeout: float = 600.0) -> ServerProcess:
         """Wait until the sidecar's ``/healthz`` is 200 (counted from the launch), then read the
         dtype SGLang resolved; returns ``self``.
+
+        If SGLang's HTTP port was taken by another process between :func:`free_port` and SGLang's
+        bind (its log says so), the launcher is stopped and started again on fresh ports, up to
+        :data:`PORT_RETRIES` times; :attr:`url` and :attr:`metrics_url` then name the new ports.
 
         Raises:
             RuntimeError: the launcher exited, or was not healthy ``timeout`` s after its launch
@@ -91,6 +135,16 @@ class ServerProcess:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            if self._port_taken():
+                tail = self.log_tail()
+                self.stop()
+                if self.relaunches >= PORT_RETRIES:
+                    raise RuntimeError(f"server's port taken {self.relaunches + 1} times during start-up:\n{tail}")
+                self.relaunches += 1
+                self._stop_sampler = threading.Event()
+                self._spawn()
+                threading.Thread(target=self._sample, daemon=True).start()
+                continue
             try:
                 if httpx.get(f"{self.metrics_url}/healthz", timeout=5).status_code == 200:
                     break
@@ -253,21 +307,10 @@ def launch_server(
     carries it. ``env``: variables added to this process's environment for the launcher (e.g.
     ``DD_SGLANG_CPU_PREPACK=0``).
     """
-    port, mport = free_port(), free_port()
-    cmd = [
-        sys.executable, "-m", "dd_sglang.launch_server",
-        "--port", str(port), "--metrics-port", str(mport),
-        "--max-total-tokens", str(max_total_tokens), *(extra_args or []),
-        *(["--api-key", api_key] if api_key else []),
-    ]  # fmt: skip
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env} if env else None)  # fmt: skip
-    log.close()
-    srv = ServerProcess(
-        f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", proc, log_path, max_total_tokens, api_key
-    )
-    srv._launched = time.monotonic()
+    args = ["--max-total-tokens", str(max_total_tokens), *(extra_args or []),
+            *(["--api-key", api_key] if api_key else [])]  # fmt: skip
+    srv = ServerProcess("", "", None, log_path, max_total_tokens, api_key, _args=args, _env=env)
+    srv._spawn()
     threading.Thread(target=srv._sample, daemon=True).start()
     return srv
 
