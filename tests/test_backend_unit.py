@@ -125,7 +125,7 @@ class Harness:
         self.st = self.rt.requests["r1"]
         self.events = Events()
         self.backend = DualDecoderAttnBackend(
-            DenseFake(), KVPool(self.pool), self.r2t, p, lambda: self.rt,
+            DenseFake(), KVPool(self.pool), self.r2t, p, self.rt,
             prefetch or PrefetchParams(hit_rate_sample=0.0), self.events,
         )  # fmt: skip
         self.gen = torch.Generator().manual_seed(11)
@@ -508,3 +508,19 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     finish_step(out, fb)  # a second logits call of the same batch is left alone
     assert out.next_token_logits.shape[0] == 1
 
+
+
+def test_the_radix_cache_factory_hands_the_runtime_to_every_dualdecoder_backend():
+    """``dualdecoder_backends`` finds the backends SGLang's model runner holds (directly or inside a
+    hybrid / two-batch-overlap wrapper), so the factory can hand the runtime over once."""
+    from dd_sglang.attention.backend import dualdecoder_backends
+
+    a, b = Harness(), Harness()
+    prefill_only = SimpleNamespace(prefill_backend=DenseFake(), decode_backend=b.backend)
+    runner = SimpleNamespace(attn_backend=a.backend, decode_attn_backend=prefill_only)
+    assert dualdecoder_backends(runner) == [a.backend, b.backend]
+    tbo = SimpleNamespace(primary=a.backend, children=[a.backend, b.backend])
+    assert dualdecoder_backends(SimpleNamespace(attn_backend=tbo)) == [a.backend, b.backend]
+    assert dualdecoder_backends(None) == [] and dualdecoder_backends(SimpleNamespace(attn_backend=DenseFake())) == []
+    a.backend.attach_runtime(b.rt)
+    assert a.backend.runtime is b.rt

@@ -553,7 +553,6 @@ def test_a_dense_request_keeps_sglangs_admission_estimate():
 
 def test_admission_hook_caps_only_sparse_requests():
     """patches/managers_schedule_policy.py: min(SGLang's offset, the bound); SGLang's offset otherwise."""
-    from dd_sglang.kvcache import sparse_runtime
     from patches.managers_schedule_policy import PrefillAdder__get_running_request_total_token_offset as hook
 
     rt, pool, alloc, r2t, req, tree, *_ = setup()
@@ -561,20 +560,17 @@ def test_admission_hook_caps_only_sparse_requests():
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     other = SimpleNamespace(rid="dense-one")
     sglang = lambda adder, r: 512 * 0.7  # noqa: E731 - SGLang's estimate, max_new x new_token_ratio
-    sparse_runtime.set_current(rt)
-    try:
-        assert hook(sglang, None, req) == 8  # 31 - 23
-        assert hook(sglang, None, other) == 512 * 0.7
-        assert hook(lambda adder, r: 5, None, req) == 5  # never more than SGLang's own
-    finally:
-        sparse_runtime.set_current(None)
-    assert hook(sglang, None, req) == 512 * 0.7  # no dualdecoder runtime in this process
+    adder = SimpleNamespace(tree_cache=SimpleNamespace(runtime=rt))  # the dualdecoder radix cache holds it
+    assert hook(sglang, adder, req) == 8  # 31 - 23
+    assert hook(sglang, adder, other) == 512 * 0.7
+    assert hook(lambda adder, r: 5, adder, req) == 5  # never more than SGLang's own
+    plain = SimpleNamespace(tree_cache=SimpleNamespace())  # another radix cache: no dualdecoder runtime
+    assert hook(sglang, plain, req) == 512 * 0.7
 
 
 def test_admission_reserves_only_the_resident_bound_for_a_request_that_will_go_sparse():
     """patches/managers_schedule_policy.py's second hook: the total a new request must fit shrinks by
     SGLang's generation reservation minus the resident bound, for long requests only."""
-    from dd_sglang.kvcache import sparse_runtime
     from patches.managers_schedule_policy import PrefillAdder__check_prefill_budget as hook
 
     rt, *_ = setup()  # min_sparse_len 50, resident bound 31, host tier 2,000 tokens
@@ -596,13 +592,10 @@ def test_admission_reserves_only_the_resident_bound_for_a_request_that_will_go_s
         return True, chunk_limit
 
     kw = dict(extend_input_len=100, swa_host_hit_length=0, chunk_limit=None)
-    sparse_runtime.set_current(rt)
-    try:
-        hook(sglang, None, req(100), total_tokens=100 + 512 + 1, **kw)
-        assert seen["total"] == 100 + 31 + 1
-        hook(sglang, None, req(40), total_tokens=40 + 512 + 1, **kw)
-        assert seen["total"] == 40 + 512 + 1
-    finally:
-        sparse_runtime.set_current(None)
-    hook(sglang, None, req(100), total_tokens=613, **kw)
+    adder = SimpleNamespace(tree_cache=SimpleNamespace(runtime=rt))  # the dualdecoder radix cache holds it
+    hook(sglang, adder, req(100), total_tokens=100 + 512 + 1, **kw)
+    assert seen["total"] == 100 + 31 + 1
+    hook(sglang, adder, req(40), total_tokens=40 + 512 + 1, **kw)
+    assert seen["total"] == 40 + 512 + 1
+    hook(sglang, SimpleNamespace(tree_cache=None), req(100), total_tokens=613, **kw)
     assert seen["total"] == 613

@@ -736,16 +736,3 @@ def _tokens_left(req) -> int | None:
         return None
     return max(0, int(max_new) - len(req.output_ids))
 
-
-_CURRENT: SparseRuntime | None = None
-
-
-def set_current(runtime: SparseRuntime | None) -> None:
-    """Make ``runtime`` this process's runtime (the radix-cache factory calls this)."""
-    global _CURRENT
-    _CURRENT = runtime
-
-
-def current() -> SparseRuntime | None:
-    """This process's runtime, or None when ``--radix-cache-backend dualdecoder`` is not in use."""
-    return _CURRENT

@@ -65,12 +65,13 @@ def snapshot(scheduler) -> DeviceTierSnapshot:
     if torch.cuda.is_available():
         cuda_bytes = int(torch.cuda.memory_allocated())
     return DeviceTierSnapshot(
-        capacity, per_token, slots, used, evictable, running, cuda_bytes, sparse_snapshot()
+        capacity, per_token, slots, used, evictable, running, cuda_bytes, sparse_snapshot(tree)
     )
 
 
-def sparse_snapshot() -> dict | None:
-    """Host-tier and sparse-path figures of this process's ``SparseRuntime`` (None when absent).
+def sparse_snapshot(tree_cache) -> dict | None:
+    """Host-tier and sparse-path figures of the ``SparseRuntime`` attached to SGLang's tree cache
+    ``tree_cache`` (None without ``--radix-cache-backend dualdecoder``).
 
     Keys: ``host_capacity_bytes``, ``host_used_bytes``, ``host_prefix_cache_bytes``,
     ``resident_tokens`` (device slots of sparse requests), ``request_device_tokens_max``,
@@ -78,9 +79,9 @@ def sparse_snapshot() -> dict | None:
     ``selector_aux_bytes`` (device selection state by selector), ``host_index_bytes``, ``states`` (requests by DualPath state), ``offloaded_tokens``,
     ``rebuilt_tokens``, ``host_bytes_per_token``.
     """
-    from dd_sglang.kvcache import sparse_runtime
+    from dd_sglang.kvcache.radix import runtime_of
 
-    rt = sparse_runtime.current()
+    rt = runtime_of(tree_cache)
     if rt is None:
         return None
     per_token = rt.host.get_size_per_token()
