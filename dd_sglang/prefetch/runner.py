@@ -68,7 +68,8 @@ from dd_sglang.prefetch.key_indexes import KeyIndexes
 from dd_sglang.prefetch.layer_assembly import FastAssembly, fused_takes
 from dd_sglang.prefetch.layer_rows import fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
-from dd_sglang.prefetch.plan import PlanInputs, PredictionStore, StepPlan, build_step_plan
+from dd_sglang.prefetch.plan import PlanInputs, StepPlan, build_step_plan
+from dd_sglang.prefetch.predictions import PredictionStore
 from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
 from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
