@@ -314,9 +314,9 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     """Inline, the next step's sets are chosen in chunks of layers (all at once, one at a time); on
     the worker, per layer: every way gives each layer the set its own speculated query chose, copied
     into the ring (``inline``) or read in place from the host tier (``in_place``, the C path)."""
-    from dd_sglang.prefetch import runner
+    from dd_sglang.prefetch import ahead_selection
 
-    monkeypatch.setattr(runner, "SELECT_CHUNK_LAYERS", chunk)
+    monkeypatch.setattr(ahead_selection, "SELECT_CHUNK_LAYERS", chunk)
     h = Harness(_kernel_params(kernel, select=select, transfer=transfer, miss_policy="use_prefetched"), top_k=24,
                 selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
