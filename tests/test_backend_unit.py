@@ -120,7 +120,7 @@ class Harness:
         row = self.r2t[2, :PROMPT].long().clone()
         self.k_all = [ok[i][row].clone() for i in range(LAYERS)]  # position -> K, every layer
         self.v_all = [ov[i][row].clone() for i in range(LAYERS)]
-        self.rt.speculator = "dual_token"  # the preset's default speculator
+        self.rt.admission.limits.speculator = "dual_token"  # the preset's default speculator
         self.rt.after_extend(SimpleNamespace(reqs=[self.req]), self.tree)
         self.st = self.rt.requests["r1"]
         self.events = Events()

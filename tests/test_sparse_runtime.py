@@ -270,9 +270,11 @@ def test_host_entries_are_evicted_lru_first_when_the_tier_fills():
     assert len(rt.entries) == 1
     # A second request needs the pages: the finished entry goes.
     _, _, alloc2, r2t2, req2, tree2, *_ = setup(p)
+    from dd_sglang.kvcache.offload import DeviceSlots
+
     rt2 = rt
-    rt2.allocator, rt2.req_to_token = alloc2, r2t2
-    rt2.device_pool = alloc2.pool
+    rt2.offloader.device = DeviceSlots(alloc2.pool, alloc2, r2t2)
+    rt2.prefixes.device_pool = alloc2.pool
     req2.rid = "r9"
     rt2.after_extend(SimpleNamespace(reqs=[req2]), tree2)
     assert rt2.requests["r9"].path.state is PathState.DECODE_SPARSE
@@ -331,9 +333,9 @@ def test_the_runtime_refuses_experiment_switches_its_preset_does_not_allow():
     rt, *_, req, _tree, _k, _v = setup(params())
     req.sampling_params = SimpleNamespace(custom_params={"dd_miss_policy": "use_prefetched"})
     with pytest.raises(ValueError, match="experimental.request_overrides"):
-        rt._overrides(req)
-    rt.experimental_overrides = True
-    assert rt._overrides(req) == {"miss_policy": "use_prefetched"}
+        rt.admission.overrides(req)
+    rt.admission.limits.experimental_overrides = True
+    assert rt.admission.overrides(req) == {"miss_policy": "use_prefetched"}
 
 
 def test_the_presets_request_limits_bound_the_overrides():
@@ -453,7 +455,7 @@ def test_a_request_larger_than_the_whole_tier_evicts_no_prefix_entry():
     rt.free_request_slots(req.kv, [(0, 60)])
     rt.on_release(req)
     assert len(rt.entries) == 1
-    assert rt._host_alloc(120) is None  # 15 pages > 14 usable
+    assert rt.prefixes.alloc(120) is None  # 15 pages > 14 usable
     assert len(rt.entries) == 1 and rt.host.available_size() == (14 - 8) * 8
 
 

@@ -158,15 +158,15 @@ class DualDecoderAttnBackend(AttentionBackend):
                 ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
                 _, _, hkv, columns, head_dim = ring.shape
                 self.attention.plan(plan.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
-            rt.ring_buffer_bytes = runner.ring.nbytes
-            rt.critical_buffer_bytes = runner.critical_bytes(plan)
-            rt.selector_aux = runner.aux_bytes()
-            rt.host_index_bytes = runner.host_index_bytes()
+            rt.buffers.ring_buffer_bytes = runner.ring.nbytes
+            rt.buffers.critical_buffer_bytes = runner.critical_bytes(plan)
+            rt.buffers.selector_aux = runner.aux_bytes()
+            rt.buffers.host_index_bytes = runner.host_index_bytes()
         elif self.runner is not None:
             self.runner.end_step()
             self.runner.ring.release()
             if rt is not None:
-                rt.ring_buffer_bytes = rt.critical_buffer_bytes = 0
+                rt.buffers.clear_ring()
         dense_rows = dense_batch = None
         if plan is not None and plan.num_rows < forward_batch.batch_size:
             sparse = set(plan.rows.tolist())
@@ -186,7 +186,7 @@ class DualDecoderAttnBackend(AttentionBackend):
             return
         self.runner.end_step()
         self.runner.ring.release()
-        rt.ring_buffer_bytes = rt.critical_buffer_bytes = 0
+        rt.buffers.clear_ring()
 
     @staticmethod
     def _sub_batch(fb, idx: torch.Tensor):
