@@ -370,7 +370,7 @@ def test_the_runtime_holds_a_request_to_the_presets_top_k_cap():
     assert rt.requests == {}
     req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 16}, max_new_tokens=8)
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
-    assert rt.requests["r1"].top_k == 16
+    assert rt.requests["r1"].choice.top_k == 16
 
 
 def test_overrides_reach_the_request_state():
@@ -378,7 +378,7 @@ def test_overrides_reach_the_request_state():
     req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 17})
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     st = rt.requests["r1"]
-    assert st.top_k == 17 and st.selector == "oracle"
+    assert st.choice.top_k == 17 and st.choice.selector == "oracle"
 
 
 def test_dd_sparse_false_keeps_a_long_request_dense_with_its_kv_untouched():

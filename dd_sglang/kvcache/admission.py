@@ -18,7 +18,7 @@ from dd_sglang.kvcache.accounting import RuntimeHooks
 from dd_sglang.kvcache.dualpath import DualPath, PathState
 from dd_sglang.kvcache.host_entries import HostPrefixEntries
 from dd_sglang.kvcache.params import SparseParams, request_overrides
-from dd_sglang.kvcache.sparse_request import DENSE_ONLY, RequestTable, SparseRequest
+from dd_sglang.kvcache.sparse_request import DENSE_ONLY, RequestChoices, RequestTable, SparseRequest
 
 S = PathState
 
@@ -85,10 +85,12 @@ class Admission:
             st = SparseRequest(
                 req.rid,
                 path,
-                top_k=over.get("top_k", self.params.top_k),
-                selector=over.get("selector", self.params.selector),
-                speculator=over.get("speculator", self.limits.speculator),
-                miss_policy=over.get("miss_policy"),
+                choice=RequestChoices(
+                    top_k=over.get("top_k", self.params.top_k),
+                    selector=over.get("selector", self.params.selector),
+                    speculator=over.get("speculator", self.limits.speculator),
+                    miss_policy=over.get("miss_policy"),
+                ),
                 req=req,
             )
             table.requests[req.rid] = st

@@ -123,10 +123,10 @@ class Offloader:
         L = int(kv.kv_committed_len)
         row_view = self.device.req_to_token[pool_idx]
         if not self.ensure_host_capacity(st, L):
-            if st.host_free_at_failure < 0:
+            if st.retry.host_free < 0:
                 logger.info("dualdecoder: host tier full, %s stays dense (%d tokens)", req.rid, L)
             # Retried (after decode steps) only once the tier has more free slots than now.
-            st.host_free_at_failure = self.host.available_size()
+            st.retry.host_free = self.host.available_size()
             st.path.to(S.DENSE)
             return False
         st.path.to(S.OFFLOADING)
@@ -142,7 +142,7 @@ class Offloader:
         if not self._move_tree_owned(req, st, row, tree_owned, tree_cache):
             logger.info("dualdecoder: no device slots for the resident set, %s stays dense", req.rid)
             # Retried (after decode steps) only once the pool has more free slots than now.
-            st.device_free_at_failure = self.device.allocator.available_size()
+            st.retry.device_free = self.device.allocator.available_size()
             self.host.free(st.host_slots)
             st.host_slots, st.host_len = torch.empty(0, dtype=torch.int64), 0
             st.path.to(S.DENSE)

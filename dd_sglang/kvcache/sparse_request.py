@@ -24,6 +24,36 @@ DENSE_ONLY = 2**62
 
 
 @dataclass
+class RequestChoices:
+    """What one request decodes with: the preset's, or its ``custom_params`` overrides.
+
+    Attributes:
+        top_k: critical-set size.
+        selector: selector name (:mod:`dd_sglang.prefetch.selectors`).
+        speculator: speculator name (:mod:`dd_sglang.prefetch.speculators`).
+        miss_policy: the request's ``dd_miss_policy`` override, or None (the preset's).
+    """
+
+    top_k: int = 0
+    selector: str = ""
+    speculator: str = "none"
+    miss_policy: str | None = None
+
+
+@dataclass
+class RetryMarks:
+    """Free slots seen when an offload of the request last failed; it is retried only once more are free.
+
+    Attributes:
+        host_free: free host slots when the host tier could not take it (-1: never failed).
+        device_free: free device slots when the pool could not give its resident set (-1: never failed).
+    """
+
+    host_free: int = -1
+    device_free: int = -1
+
+
+@dataclass
 class SparseRequest:
     """Bookkeeping of one admitted request (one SGLang attempt).
 
@@ -39,12 +69,9 @@ class SparseRequest:
         win_start: positions ``[win_start, kv end)`` are resident (the window).
         released: the device slots outside the resident set have been given up.
         tail_flushed: the decode tail left on the device at release went to the host tier.
-        top_k, selector, speculator: this request's critical-set size, selector and
-            speculator (the preset's, or the request's ``custom_params`` overrides).
-        miss_policy: the request's ``dd_miss_policy`` override, or None (the preset's).
+        choice: its critical-set size, selector, speculator and miss policy (:class:`RequestChoices`).
         req: SGLang's ``Req`` (its token ids feed the speculators).
-        host_free_at_failure: free host slots when an offload last failed (-1: never).
-        device_free_at_failure: free device slots when an offload last found none for its resident set.
+        retry: when a failed offload may be tried again (:class:`RetryMarks`).
 
     The prefetch layer's per-request state (speculation, chosen sets) is its own,
     dropped through :meth:`RequestTable.add_release_listener`.
@@ -59,13 +86,9 @@ class SparseRequest:
     win_start: int = 0
     released: bool = False
     tail_flushed: bool = False
-    top_k: int = 0
-    selector: str = ""
-    speculator: str = "none"
-    miss_policy: str | None = None
+    choice: RequestChoices = field(default_factory=RequestChoices)
     req: object = None
-    host_free_at_failure: int = -1
-    device_free_at_failure: int = -1
+    retry: RetryMarks = field(default_factory=RetryMarks)
 
     def device_positions(self, end: int) -> torch.Tensor:
         """Sorted positions ``< end`` whose KV is on the device (int64)."""

@@ -269,8 +269,8 @@ class SparseRuntime:
             elif (
                 st.path.state is S.DENSE
                 and st.path.wants_sparse(kv_len)
-                and self.host.available_size() > st.host_free_at_failure
-                and device.allocator.available_size() > st.device_free_at_failure
+                and self.host.available_size() > st.retry.host_free
+                and device.allocator.available_size() > st.retry.device_free
             ):
                 st.path.to(S.PREFILL_FULL)
                 self.offloader.offload(req, st, tree_cache)

@@ -249,7 +249,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     n = len(rows)
     n_ahead = sum(r.kind == "ahead" for r in rows)
     n_fixed = n_ahead + sum(r.kind == "full" for r in rows)
-    k = max(1, max(r.st.top_k if r.kind != "full" else r.cand.numel() for r in rows))
+    k = max(1, max(r.st.choice.top_k if r.kind != "full" else r.cand.numel() for r in rows))
     fixed_pos, fixed_slots = _fixed_sets(rows, nxt, n_ahead, n_fixed, k, rt.host.k.shape[2], rt.host.layer_num)
     blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
                         [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
@@ -257,8 +257,8 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
     # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
     inp.store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
-                                   max((rows[j].st.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
-    verify = [j for j in range(n_ahead) if (rows[j].st.miss_policy or inp.miss_policy) == "verify"]
+                                   max((rows[j].st.choice.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
+    verify = [j for j in range(n_ahead) if (rows[j].st.choice.miss_policy or inp.miss_policy) == "verify"]
     n_res = max(int(r.dev_pos.numel()) for r in rows)
     positions = qidx.shape[1]
     own = max(positions - 1, 1)
@@ -285,10 +285,10 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         qidx=qidx.to(dev),
         **_spec_fields(rows, spec, spec_tok, cols - own, dev),
         mask=_mask(rows, n_res, k, positions, cols).to(dev),
-        top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
+        top_k=torch.tensor([r.st.choice.top_k for r in rows], dtype=torch.int64),
         sampled=torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64),
         rejected=tuple(r.rejected for r in rows),
-        labels=tuple((r.selector.name, r.st.speculator if r.selector.uses_speculator else "none") for r in rows),
+        labels=tuple((r.selector.name, r.st.choice.speculator if r.selector.uses_speculator else "none") for r in rows),
         started=started,
         exact_rows=tuple(rows[j].batch_row for j, _ in exact),
         exact_cols=tuple(c.to(dev) for _, c in exact),
@@ -367,7 +367,7 @@ def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, u
         # Every row, in order (one selector, no cold start): the step's blocks themselves, so their
         # cached ``tokens`` are built once for the plan and the selection.
         taken = blocks if js == list(range(len(rows))) else blocks.take(idx)
-        out.append(SelectionGroup(sel, idx, q, taken, max(rows[j].st.top_k for j in js), dest))
+        out.append(SelectionGroup(sel, idx, q, taken, max(rows[j].st.choice.top_k for j in js), dest))
     return out
 
 
@@ -379,7 +379,7 @@ def _mask(rows: list[PlanRow], n_res: int, k: int, positions: int, cols: int) ->
     first_own = cols - max(positions - 1, 1)
     for j, r in enumerate(rows):
         m[j, :, : r.dev_pos.numel()] = True
-        kk = r.cand.numel() if r.kind == "full" else r.st.top_k
+        kk = r.cand.numel() if r.kind == "full" else r.st.choice.top_k
         m[j, :, n_res : n_res + kk] = True
         for s in range(len(r.spec_tokens)):
             m[j, 1 + s, first_own + s] = True

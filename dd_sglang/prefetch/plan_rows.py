@@ -68,7 +68,7 @@ def row_seed(r: PlanRow) -> int:
 
 def is_full(r: PlanRow) -> bool:
     """The row's critical set is every candidate (``top_k`` covers them)."""
-    return r.cand.numel() <= r.st.top_k
+    return r.cand.numel() <= r.st.choice.top_k
 
 
 def speculate(rows: list[PlanRow], inp: PlanInputs, on_verify) -> None:
@@ -79,9 +79,9 @@ def speculate(rows: list[PlanRow], inp: PlanInputs, on_verify) -> None:
             continue
         ok = verify(r.pred.spec, r.token)
         if ok is not None:
-            on_verify(r.st.speculator, ok)
+            on_verify(r.st.choice.speculator, ok)
         r.rejected = ok is False
-        tok = inp.speculators[r.st.speculator].propose(token_history(r.st, r.token), r.pred.spec)
+        tok = inp.speculators[r.st.choice.speculator].propose(token_history(r.st, r.token), r.pred.spec)
         r.pred.spec.riding, r.pred.spec.top = tok, [None] * len(tok)
         r.spec_tokens = tok
 
@@ -126,7 +126,7 @@ def sparse_rows(fb, rt, inp: PlanInputs) -> list[PlanRow]:
         return []
     seq_lens, ids, positions = fb.seq_lens.tolist(), fb.input_ids[:bs].tolist(), fb.positions[:bs].tolist()
     return [
-        PlanRow(i, st, inp.store.get(st.rid), inp.selectors[st.selector], st.device_positions(int(seq_lens[i])),
+        PlanRow(i, st, inp.store.get(st.rid), inp.selectors[st.choice.selector], st.device_positions(int(seq_lens[i])),
              st.host_candidates(), int(ids[i]), int(positions[i]))  # fmt: skip
         for i, st in sparse
     ]
