@@ -14,7 +14,7 @@ One run, two servers up at once with room for every request densely
 (``torch_native``) and ``dualdecoder`` with the default preset. On the
 ``dualdecoder`` server each cell runs twice: ``dd_sparse: false`` (the same
 dense path through the ``dualdecoder`` wrapper, so its phases are timed) and
-the sparse default (``spec_host`` + ``dual_token``, ``top_k`` 256). A cell is
+the sparse default (the preset's selector: ``host_sync`` in the CPU preset, ``top_k`` 256). A cell is
 ``batch`` distinct passkey prompts of ~``context`` tokens sent at once, greedy,
 ``--new-tokens`` each (``ignore_eos``).
 
@@ -94,6 +94,11 @@ With ``--hit-rate-sample F`` one more ``dualdecoder`` server runs the preset wit
 rate is measured against the exact top-k, in every layer), its runs as
 ``dualdecoder_sparse_hit_rate_sample`` and ``hit_rate_sample_over_default`` its
 tokens/s over the default's (the preset's 0.01).
+With ``--baseline-tree PATH`` one more ``dualdecoder`` server, same preset and flags, runs from
+another checkout of this project (``PATH``, e.g. a worktree of the commit before a change; its
+``dd_sglang`` is served), each cell's dense and sparse default there as ``baseline_dense`` and
+``baseline_sparse``: ``sparse_over_baseline_tree`` and ``dense_over_baseline_tree`` are this
+checkout's tokens/s over that one's, measured side by side.
 With ``--selectors A,B`` each named selector also runs on the ``dualdecoder``
 server, per request (``custom_params.dd_selector``, the preset's speculator),
 as ``dualdecoder_sparse_A``, with ``A_over_sglang_dense`` and
@@ -210,6 +215,8 @@ RATIOS = (
     ("default_over_use_prefetched", "dualdecoder_sparse", "dualdecoder_sparse_use_prefetched"),
     ("spec_host_verify_over_use_prefetched", "dualdecoder_sparse_spec_host", "dualdecoder_sparse_use_prefetched"),
     ("hit_rate_sample_over_default", "dualdecoder_sparse_hit_rate_sample", "dualdecoder_sparse"),
+    ("sparse_over_baseline_tree", "dualdecoder_sparse", "baseline_sparse"),
+    ("dense_over_baseline_tree", "dualdecoder_dense", "baseline_dense"),
 )
 
 
@@ -266,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run spec_host with custom_params.dd_miss_policy use_prefetched (unverified)")  # fmt: skip
     ap.add_argument("--hit-rate-sample", type=float, default=None, metavar="F",
                     help="also run the sparse default on a server with prefetch.hit_rate_sample: F (0..1)")  # fmt: skip
+    ap.add_argument("--baseline-tree", type=Path, default=None, metavar="PATH",
+                    help="also run the dualdecoder server's dense and sparse default from another checkout of "
+                         "this project (e.g. the commit before a change), same preset and flags")  # fmt: skip
     ap.add_argument("--selectors", default="",
                     help="comma list of further selectors run on the dualdecoder server per request "
                          "(custom_params.dd_selector), e.g. host_sync")  # fmt: skip
@@ -326,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         servers["dualdecoder"][1].append(("dualdecoder_sparse_use_prefetched",
                                           {"dd_selector": "spec_host", "dd_miss_policy": "use_prefetched"},
                                           "sparse"))  # fmt: skip
+    if args.baseline_tree is not None:
+        if not (args.baseline_tree / "dd_sglang" / "launch_server.py").is_file():
+            ap.error(f"--baseline-tree must be a checkout of this project, got {str(args.baseline_tree)!r}")
+        servers["baseline"] = (servers["dualdecoder"][0],
+                               [("baseline_dense", {"dd_sparse": False}, "dense"), ("baseline_sparse", {}, "sparse")])  # fmt: skip
     envs = {"unpacked": {PREPACK_ENV: "0"}}  # backend -> extra environment of its launcher
     if args.unpacked_dense:
         servers["unpacked"] = (["--attention-backend", "torch_native"], [("sglang_dense_unpacked", None, None)])
@@ -349,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for backend, (flags, _) in servers.items():
             started[backend] = start_server(tmp / f"{backend}.log", args.pool_tokens, flags, timeout=900,
-                                            env=envs.get(backend))  # fmt: skip
+                                            env=envs.get(backend),
+                                            cwd=args.baseline_tree if backend == "baseline" else None)  # fmt: skip
         order = [(backend, run) for backend, (_, runs) in servers.items() for run in runs]
         if args.warmup_tokens > 0:
             for c in cells:
@@ -412,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    default / inline selection {r['default_over_inline_select']:.2f}x")
         if "in_place_over_inline" in r:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
-        for name in ("default_over_use_prefetched", "spec_host_verify_over_use_prefetched"):
+        for name in ("default_over_use_prefetched", "spec_host_verify_over_use_prefetched",
+                     "sparse_over_baseline_tree", "dense_over_baseline_tree"):
             if name in r:
                 print(f"    {name} {r[name]:.2f}x")
         if "hit_rate_sample_over_default" in r:

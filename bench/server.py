@@ -102,6 +102,9 @@ class ServerProcess:
     _env: dict[str, str] | None = None
     #: Relaunches made after the HTTP port was taken during start-up (at most :data:`PORT_RETRIES`).
     relaunches: int = 0
+    #: The checkout the launcher runs from (its ``dd_sglang`` is imported: ``python -m`` puts the
+    #: working folder first on ``sys.path``); default this one.
+    _cwd: Path = ROOT
 
     def _spawn(self) -> None:
         """Start the launcher on two fresh ports (:func:`free_port`), logging to :attr:`log_path`."""
@@ -109,7 +112,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "dd_sglang.launch_server",
                "--port", str(port), "--metrics-port", str(mport), *self._args]  # fmt: skip
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, cwd=self._cwd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **self._env} if self._env else None)  # fmt: skip
         self.url, self.metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}"
         self._launched = time.monotonic()
@@ -297,6 +300,7 @@ def launch_server(
     extra_args: list[str] | None = None,
     api_key: str | None = None,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> ServerProcess:
     """Spawn dd_sglang on free loopback ports and return at once, not waiting for it to be ready.
 
@@ -305,11 +309,12 @@ def launch_server(
     (25-55 s here) is mostly single-threaded imports, so on 2 cores two of them take little
     longer than one. ``api_key`` adds SGLang's ``--api-key``; :attr:`ServerProcess.headers` then
     carries it. ``env``: variables added to this process's environment for the launcher (e.g.
-    ``DD_SGLANG_CPU_PREPACK=0``).
+    ``DD_SGLANG_CPU_PREPACK=0``). ``cwd``: another checkout of this project to run the launcher
+    from (its code is served: :mod:`bench.decode_speed`'s ``--baseline-tree``); default this one.
     """
     args = ["--max-total-tokens", str(max_total_tokens), *(extra_args or []),
             *(["--api-key", api_key] if api_key else [])]  # fmt: skip
-    srv = ServerProcess("", "", None, log_path, max_total_tokens, api_key, _args=args, _env=env)
+    srv = ServerProcess("", "", None, log_path, max_total_tokens, api_key, _args=args, _env=env, _cwd=cwd or ROOT)
     srv._spawn()
     threading.Thread(target=srv._sample, daemon=True).start()
     return srv
@@ -322,6 +327,7 @@ def start_server(
     timeout: float = 600.0,
     api_key: str | None = None,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> ServerProcess:
     """Launch dd_sglang on free loopback ports and wait until ``/healthz`` is 200
     (:func:`launch_server`, then :meth:`ServerProcess.wait_ready`).
@@ -330,4 +336,4 @@ def start_server(
         RuntimeError: the launcher exited, or was not healthy within ``timeout`` s
             (the message carries the log tail).
     """
-    return launch_server(log_path, max_total_tokens, extra_args, api_key, env).wait_ready(timeout)
+    return launch_server(log_path, max_total_tokens, extra_args, api_key, env, cwd).wait_ready(timeout)
