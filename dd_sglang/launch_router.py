@@ -62,7 +62,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from dd_sglang.launch_server import _child_setup, _port_error, has_flag
+from dd_sglang.launcher.sglang_argv import has_flag
+from dd_sglang.launcher.startup_checks import port_error
+from dd_sglang.launcher.supervision import child_setup
 
 logger = logging.getLogger("dd_sglang.launch_router")
 
@@ -281,7 +283,7 @@ def _port_problem(args, workers: list[Worker]) -> str | None:
         if port in seen:
             return f"{name} {port} is also {seen[port]}"
         seen[port] = name
-        if err := _port_error(host, port):
+        if err := port_error(host, port):
             return f"{name}: {err}"
     return None
 
@@ -297,7 +299,7 @@ def _start_workers(args, workers: list[Worker], worker_argv: list[str]) -> list[
             *worker_argv,
         ]  # fmt: skip
         logger.info("starting worker %d: %s", w.index, " ".join(cmd))
-        w.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup)
+        w.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child_setup)
     return [w.proc for w in workers if w.proc is not None]
 
 
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = smg_command(args, [w.url for w in workers])
     logger.info("starting smg: %s", " ".join(cmd))
-    gateway = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup)
+    gateway = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child_setup)
     gateway_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     threading.Thread(
         target=_announce_when_ready, args=(gateway_url, len(workers), stop, t_start), daemon=True

@@ -29,7 +29,6 @@ def create_dualdecoder_backend(runner):
     from sglang.srt.platforms import current_platform
 
     from dd_sglang.attention.backend import DualDecoderAttnBackend, PrefetchParams, SparseParams
-    from dd_sglang.kvcache import sparse_runtime
     from dd_sglang.metrics.backend_events import MetricsEvents
     from dd_sglang.plugin.runtime import current_config
 
@@ -44,7 +43,7 @@ def create_dualdecoder_backend(runner):
         runner.token_to_kv_pool,
         runner.req_to_token_pool.req_to_token,
         SparseParams.from_config(cfg),
-        sparse_runtime.current,
+        None,  # the SparseRuntime: handed over by the radix-cache factory (patches/mem_cache_registry.py)
         PrefetchParams.from_config(cfg),
         MetricsEvents(),
     )

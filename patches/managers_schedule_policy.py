@@ -11,6 +11,8 @@
   after its prefill never holds more than its resident bound afterwards, so only that bound is
   counted for its generation (:meth:`SparseRuntime.admission_new_tokens`); the budget's own
   check then runs unchanged.
+
+Both read the runtime from the adder's own ``tree_cache`` (the ``dualdecoder`` radix cache holds it).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ _MODULE = "sglang.srt.managers.schedule_policy"
 
 
 def PrefillAdder__get_running_request_total_token_offset(original, self, req):
-    from dd_sglang.kvcache import sparse_runtime
+    from dd_sglang.kvcache.radix import runtime_of
 
     offset = original(self, req)
-    runtime = sparse_runtime.current()
+    runtime = runtime_of(self.tree_cache)
     bound = None if runtime is None else runtime.decode_growth_bound(req.rid)
     return offset if bound is None else min(offset, bound)
 
@@ -32,9 +34,9 @@ def PrefillAdder__get_running_request_total_token_offset(original, self, req):
 def PrefillAdder__check_prefill_budget(original, self, req, *args, total_tokens, **kwargs):
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    from dd_sglang.kvcache import sparse_runtime
+    from dd_sglang.kvcache.radix import runtime_of
 
-    runtime = sparse_runtime.current()
+    runtime = runtime_of(self.tree_cache)
     if runtime is not None:
         max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
         cap = runtime.admission_new_tokens(req, max_new)

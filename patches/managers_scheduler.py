@@ -25,10 +25,10 @@ _MODULE = "sglang.srt.managers.scheduler"
 
 
 def Scheduler_process_batch_result(result, self, *args, **kwargs):
-    from dd_sglang.kvcache import sparse_runtime
+    from dd_sglang.kvcache.radix import runtime_of
     from dd_sglang.plugin.runtime import refresh_scheduler_metrics
 
-    runtime = sparse_runtime.current()
+    runtime = runtime_of(getattr(self, "tree_cache", None))
     batch = args[0] if args else kwargs.get("batch")
     if runtime is not None and batch is not None and batch.reqs:
         mode = batch.forward_mode

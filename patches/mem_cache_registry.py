@@ -8,6 +8,12 @@ SGLang's ``create_unified_radix_cache`` with the class
 :class:`dd_sglang.kvcache.sparse_runtime.SparseRuntime` (host tier and DualPath
 bookkeeping), whose transitions are counted in ``dd_dualpath_transitions_total``.
 
+The runtime is handed over once, here: to the cache (``cache.runtime``, which the scheduler
+hooks read through ``scheduler.tree_cache`` and ``PrefillAdder.tree_cache``) and to the
+``dualdecoder`` attention backends of the model worker (``ctx.tp_worker.model_runner``, built
+before the cache), as SGLang's own factory hands HiCache's layer-done counter to the worker.
+No module global holds it.
+
 Each scheduler process (one per data-parallel rank and tensor-parallel rank)
 builds its own runtime over its own device pool with its share of
 ``sparse.host_tier_bytes`` (:func:`dd_sglang.kvcache.ranks.host_tier_share`);
@@ -23,6 +29,7 @@ SYMBOLS = (
     "sglang.srt.mem_cache.registry.register_radix_cache_backend",
     "sglang.srt.mem_cache.registry.registered_radix_cache_backends",
     "sglang.srt.mem_cache.registry.create_unified_radix_cache",
+    "sglang.srt.mem_cache.registry.TreeCacheBuildContext",
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.free_kv_row",
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.on_release",
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
@@ -60,6 +67,7 @@ def create_dualdecoder_radix_cache(ctx):
     """
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
+    from dd_sglang.attention.backend import dualdecoder_backends
     from dd_sglang.kvcache import sparse_runtime
     from dd_sglang.kvcache.params import SparseParams
     from dd_sglang.kvcache.radix import DualDecoderRadixCache
@@ -102,7 +110,8 @@ def create_dualdecoder_radix_cache(ctx):
             f"bytes each: {err}"
         ) from err
     cache.attach_runtime(runtime)
-    sparse_runtime.set_current(runtime)
+    for backend in dualdecoder_backends(getattr(ctx.tp_worker, "model_runner", None)):
+        backend.attach_runtime(runtime)
     return cache
 
 

@@ -120,12 +120,12 @@ class Harness:
         row = self.r2t[2, :PROMPT].long().clone()
         self.k_all = [ok[i][row].clone() for i in range(LAYERS)]  # position -> K, every layer
         self.v_all = [ov[i][row].clone() for i in range(LAYERS)]
-        self.rt.speculator = "dual_token"  # the preset's default speculator
+        self.rt.admission.limits.speculator = "dual_token"  # the preset's default speculator
         self.rt.after_extend(SimpleNamespace(reqs=[self.req]), self.tree)
         self.st = self.rt.requests["r1"]
         self.events = Events()
         self.backend = DualDecoderAttnBackend(
-            DenseFake(), KVPool(self.pool), self.r2t, p, lambda: self.rt,
+            DenseFake(), KVPool(self.pool), self.r2t, p, self.rt,
             prefetch or PrefetchParams(hit_rate_sample=0.0), self.events,
         )  # fmt: skip
         self.gen = torch.Generator().manual_seed(11)
@@ -304,7 +304,7 @@ def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel, t
             top = _topk_sets(q, h.k_all[i], cand, 24)
             overlap += [len(c & t) / 24 for c, t in zip(chosen, top, strict=True)]
         assert sum(overlap) / len(overlap) >= 0.9, overlap
-    assert (h.backend.runner._crit is not None) == (transfer == "in_place")
+    assert (h.backend.runner.in_place.table is not None) == (transfer == "in_place")
 
 
 @pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
@@ -314,9 +314,9 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     """Inline, the next step's sets are chosen in chunks of layers (all at once, one at a time); on
     the worker, per layer: every way gives each layer the set its own speculated query chose, copied
     into the ring (``inline``) or read in place from the host tier (``in_place``, the C path)."""
-    from dd_sglang.prefetch import runner
+    from dd_sglang.prefetch import ahead_selection
 
-    monkeypatch.setattr(runner, "SELECT_CHUNK_LAYERS", chunk)
+    monkeypatch.setattr(ahead_selection, "SELECT_CHUNK_LAYERS", chunk)
     h = Harness(_kernel_params(kernel, select=select, transfer=transfer, miss_policy="use_prefetched"), top_k=24,
                 selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
@@ -333,8 +333,8 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
         q = qs[i][0][0]
         torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
-    assert h.backend.runner.in_place == (transfer == "in_place")
-    assert (h.backend.runner._crit is not None) == (transfer == "in_place")
+    assert h.backend.runner.in_place.enabled == (transfer == "in_place")
+    assert (h.backend.runner.in_place.table is not None) == (transfer == "in_place")
     # Bytes brought from the host tier (copied into the ring, or read in place): 24 tokens x 3 KV
     # heads x D x 4 B, K and V, per layer.
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
@@ -349,24 +349,25 @@ def test_auto_transfer_reads_in_place_from_six_row_kv_head_pairs(transfer, rows,
     h.step()  # builds the runner
     runner = h.backend.runner
     assert HKV * 2 >= native_kernel.ATTEND_PARALLEL_TASKS > HKV
-    assert runner._reads_in_place(SimpleNamespace(num_rows=rows)) is reads
+    assert runner.in_place.reads(SimpleNamespace(num_rows=rows)) is reads
 
 
 def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_take(monkeypatch):
     """``transfer: in_place`` with a layer the fused attention does not take: that layer's verified
     sets are copied into the ring slot after all and attended from there."""
-    from dd_sglang.prefetch.runner import SparseStepRunner
+    from dd_sglang.prefetch import runner as runner_module
 
     h = Harness(_kernel_params("native", transfer="in_place", rerank=100), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
-    monkeypatch.setattr(SparseStepRunner, "_fused", staticmethod(lambda *a: False))
+    monkeypatch.setattr(runner_module, "fused_takes", lambda *a: False)
     resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
     cand = h.st.host_candidates()
     copied = h.events.copied_bytes
     _, qs, outs = h.step(tok=99)  # rejected
-    assert h.backend.runner._crit is not None and (h.backend.runner._crit == -1).all()  # all went to the ring
+    table = h.backend.runner.in_place.table
+    assert table is not None and (table == -1).all()  # all went to the ring
     assert h.events.copied_bytes - copied >= LAYERS * 2 * 24 * HKV * D * 4
     _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
 
@@ -508,3 +509,19 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     finish_step(out, fb)  # a second logits call of the same batch is left alone
     assert out.next_token_logits.shape[0] == 1
 
+
+
+def test_the_radix_cache_factory_hands_the_runtime_to_every_dualdecoder_backend():
+    """``dualdecoder_backends`` finds the backends SGLang's model runner holds (directly or inside a
+    hybrid / two-batch-overlap wrapper), so the factory can hand the runtime over once."""
+    from dd_sglang.attention.backend import dualdecoder_backends
+
+    a, b = Harness(), Harness()
+    prefill_only = SimpleNamespace(prefill_backend=DenseFake(), decode_backend=b.backend)
+    runner = SimpleNamespace(attn_backend=a.backend, decode_attn_backend=prefill_only)
+    assert dualdecoder_backends(runner) == [a.backend, b.backend]
+    tbo = SimpleNamespace(primary=a.backend, children=[a.backend, b.backend])
+    assert dualdecoder_backends(SimpleNamespace(attn_backend=tbo)) == [a.backend, b.backend]
+    assert dualdecoder_backends(None) == [] and dualdecoder_backends(SimpleNamespace(attn_backend=DenseFake())) == []
+    a.backend.attach_runtime(b.rt)
+    assert a.backend.runtime is b.rt

@@ -153,7 +153,7 @@ def _backends(pool_k, pool_v, r2t):
     dense = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=runner.req_to_token_pool,
                                                    token_to_kv_pool=ours_pool))  # fmt: skip
     events = Events()
-    ours = DualDecoderAttnBackend(dense, ours_pool, r2t, None, lambda: None, events=events)
+    ours = DualDecoderAttnBackend(dense, ours_pool, r2t, None, None, events=events)
     return ref, ref_pool, ours, ours_pool, events
 
 

@@ -258,18 +258,15 @@ def test_ring_gather_copies_the_same_bytes_as_pytorch(rows, march):
 def test_hit_rate_measurement_counts_like_pytorch(dtype, march):
     """The sampled hit-rate measurement: hits, mass on the prefetched set and on the exact top-k,
     per row (summed over KV heads), equal to the PyTorch version's; rows with different top_k."""
-    from types import SimpleNamespace
 
-    from dd_sglang.prefetch.runner import SparseStepRunner
+    from dd_sglang.prefetch.hit_rate import hit_counts_torch
 
     host_k, idx, rows, q = _case([1500, 2100], 64, dtype, seed=11, layers=1)
     k, scale = 96, 0.125
     q_real = q[0] + 0.3 * torch.randn_like(q[0])  # the prefetch came from a different query
     have, _ = make_selector("spec_host", 2.0).select(q[0], rows, host_k[0], k, scale, idx, 0)
     top_k = torch.tensor([96, 64])
-    plan = SimpleNamespace(k=k)
-    want = SparseStepRunner._measure_torch(SimpleNamespace(_exact=make_selector("oracle")), plan, rows, host_k[0],
-                                           q_real, top_k.view(-1, 1, 1), have, scale)  # fmt: skip
+    want = hit_counts_torch(make_selector("oracle"), k, rows, host_k[0], q_real, top_k.view(-1, 1, 1), have, scale)
     slots, ok = rows.tokens
     hits, mh, mt = native.measure_hits(q_real, slots, ok, host_k[0], have, top_k, scale)
     assert torch.equal(hits.sum(1), want[0])

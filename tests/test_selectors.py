@@ -278,13 +278,13 @@ def test_unknown_selector_and_bad_k_are_refused():
 def test_two_riding_queries_rank_by_the_max_of_their_scores():
     """Two speculated positions' queries join each KV head's group: the set is the top-k of the max of
     the two queries' scores (same budget k), as built by the runner from the step's tokens."""
-    from dd_sglang.prefetch.runner import _selection_queries
+    from dd_sglang.prefetch.ahead_selection import selection_queries
 
     lens, his, k = [300], [260], 20
     host_k, slots, rows, _ = _rows(lens, his, seed=9)
     g = torch.Generator().manual_seed(10)
     q3 = torch.randn(3, HQ, D, generator=g)  # tokens: the real row, then two riding positions
-    q = _selection_queries(q3, torch.tensor([[1, 2]]), HKV)
+    q = selection_queries(q3, torch.tensor([[1, 2]]), HKV)
     assert q.shape == (1, 2 * HQ, D)
     pos, _ = make_selector("spec_host_exact").select(q, rows, host_k[0], k, SCALE)
     cand = torch.arange(4, 260)

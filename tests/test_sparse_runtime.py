@@ -270,9 +270,11 @@ def test_host_entries_are_evicted_lru_first_when_the_tier_fills():
     assert len(rt.entries) == 1
     # A second request needs the pages: the finished entry goes.
     _, _, alloc2, r2t2, req2, tree2, *_ = setup(p)
+    from dd_sglang.kvcache.offload import DeviceSlots
+
     rt2 = rt
-    rt2.allocator, rt2.req_to_token = alloc2, r2t2
-    rt2.device_pool = alloc2.pool
+    rt2.offloader.device = DeviceSlots(alloc2.pool, alloc2, r2t2)
+    rt2.prefixes.device_pool = alloc2.pool
     req2.rid = "r9"
     rt2.after_extend(SimpleNamespace(reqs=[req2]), tree2)
     assert rt2.requests["r9"].path.state is PathState.DECODE_SPARSE
@@ -331,9 +333,9 @@ def test_the_runtime_refuses_experiment_switches_its_preset_does_not_allow():
     rt, *_, req, _tree, _k, _v = setup(params())
     req.sampling_params = SimpleNamespace(custom_params={"dd_miss_policy": "use_prefetched"})
     with pytest.raises(ValueError, match="experimental.request_overrides"):
-        rt._overrides(req)
-    rt.experimental_overrides = True
-    assert rt._overrides(req) == {"miss_policy": "use_prefetched"}
+        rt.admission.overrides(req)
+    rt.admission.limits.experimental_overrides = True
+    assert rt.admission.overrides(req) == {"miss_policy": "use_prefetched"}
 
 
 def test_the_presets_request_limits_bound_the_overrides():
@@ -368,7 +370,7 @@ def test_the_runtime_holds_a_request_to_the_presets_top_k_cap():
     assert rt.requests == {}
     req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 16}, max_new_tokens=8)
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
-    assert rt.requests["r1"].top_k == 16
+    assert rt.requests["r1"].choice.top_k == 16
 
 
 def test_overrides_reach_the_request_state():
@@ -376,7 +378,7 @@ def test_overrides_reach_the_request_state():
     req.sampling_params = SimpleNamespace(custom_params={"dd_top_k": 17})
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     st = rt.requests["r1"]
-    assert st.top_k == 17 and st.selector == "oracle"
+    assert st.choice.top_k == 17 and st.choice.selector == "oracle"
 
 
 def test_dd_sparse_false_keeps_a_long_request_dense_with_its_kv_untouched():
@@ -453,7 +455,7 @@ def test_a_request_larger_than_the_whole_tier_evicts_no_prefix_entry():
     rt.free_request_slots(req.kv, [(0, 60)])
     rt.on_release(req)
     assert len(rt.entries) == 1
-    assert rt._host_alloc(120) is None  # 15 pages > 14 usable
+    assert rt.prefixes.alloc(120) is None  # 15 pages > 14 usable
     assert len(rt.entries) == 1 and rt.host.available_size() == (14 - 8) * 8
 
 
@@ -553,7 +555,6 @@ def test_a_dense_request_keeps_sglangs_admission_estimate():
 
 def test_admission_hook_caps_only_sparse_requests():
     """patches/managers_schedule_policy.py: min(SGLang's offset, the bound); SGLang's offset otherwise."""
-    from dd_sglang.kvcache import sparse_runtime
     from patches.managers_schedule_policy import PrefillAdder__get_running_request_total_token_offset as hook
 
     rt, pool, alloc, r2t, req, tree, *_ = setup()
@@ -561,20 +562,17 @@ def test_admission_hook_caps_only_sparse_requests():
     rt.after_extend(SimpleNamespace(reqs=[req]), tree)
     other = SimpleNamespace(rid="dense-one")
     sglang = lambda adder, r: 512 * 0.7  # noqa: E731 - SGLang's estimate, max_new x new_token_ratio
-    sparse_runtime.set_current(rt)
-    try:
-        assert hook(sglang, None, req) == 8  # 31 - 23
-        assert hook(sglang, None, other) == 512 * 0.7
-        assert hook(lambda adder, r: 5, None, req) == 5  # never more than SGLang's own
-    finally:
-        sparse_runtime.set_current(None)
-    assert hook(sglang, None, req) == 512 * 0.7  # no dualdecoder runtime in this process
+    adder = SimpleNamespace(tree_cache=SimpleNamespace(runtime=rt))  # the dualdecoder radix cache holds it
+    assert hook(sglang, adder, req) == 8  # 31 - 23
+    assert hook(sglang, adder, other) == 512 * 0.7
+    assert hook(lambda adder, r: 5, adder, req) == 5  # never more than SGLang's own
+    plain = SimpleNamespace(tree_cache=SimpleNamespace())  # another radix cache: no dualdecoder runtime
+    assert hook(sglang, plain, req) == 512 * 0.7
 
 
 def test_admission_reserves_only_the_resident_bound_for_a_request_that_will_go_sparse():
     """patches/managers_schedule_policy.py's second hook: the total a new request must fit shrinks by
     SGLang's generation reservation minus the resident bound, for long requests only."""
-    from dd_sglang.kvcache import sparse_runtime
     from patches.managers_schedule_policy import PrefillAdder__check_prefill_budget as hook
 
     rt, *_ = setup()  # min_sparse_len 50, resident bound 31, host tier 2,000 tokens
@@ -596,13 +594,10 @@ def test_admission_reserves_only_the_resident_bound_for_a_request_that_will_go_s
         return True, chunk_limit
 
     kw = dict(extend_input_len=100, swa_host_hit_length=0, chunk_limit=None)
-    sparse_runtime.set_current(rt)
-    try:
-        hook(sglang, None, req(100), total_tokens=100 + 512 + 1, **kw)
-        assert seen["total"] == 100 + 31 + 1
-        hook(sglang, None, req(40), total_tokens=40 + 512 + 1, **kw)
-        assert seen["total"] == 40 + 512 + 1
-    finally:
-        sparse_runtime.set_current(None)
-    hook(sglang, None, req(100), total_tokens=613, **kw)
+    adder = SimpleNamespace(tree_cache=SimpleNamespace(runtime=rt))  # the dualdecoder radix cache holds it
+    hook(sglang, adder, req(100), total_tokens=100 + 512 + 1, **kw)
+    assert seen["total"] == 100 + 31 + 1
+    hook(sglang, adder, req(40), total_tokens=40 + 512 + 1, **kw)
+    assert seen["total"] == 40 + 512 + 1
+    hook(sglang, SimpleNamespace(tree_cache=None), req(100), total_tokens=613, **kw)
     assert seen["total"] == 613

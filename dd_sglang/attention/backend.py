@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -54,7 +53,25 @@ from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.runner import SparseStepRunner
 
-__all__ = ["BackendEvents", "DualDecoderAttnBackend", "PrefetchParams", "SparseParams", "finish_step"]
+__all__ = ["BackendEvents", "DualDecoderAttnBackend", "PrefetchParams", "SparseParams", "dualdecoder_backends",
+           "finish_step"]
+
+
+def dualdecoder_backends(model_runner) -> list[DualDecoderAttnBackend]:
+    """The :class:`DualDecoderAttnBackend` instances SGLang's ``ModelRunner`` ``model_runner`` built.
+
+    Looks at ``attn_backend`` and ``decode_attn_backend`` and, one level down, at the halves of a
+    ``HybridAttnBackend`` (``prefill_backend``/``decode_backend``) and a ``TboAttnBackend``
+    (``primary``/``children``); SGLang file ``model_executor/model_runner_components/attention_backend_setup.py``.
+    """
+    found: list[DualDecoderAttnBackend] = []
+    for top in (getattr(model_runner, "attn_backend", None), getattr(model_runner, "decode_attn_backend", None)):
+        parts = [top, getattr(top, "prefill_backend", None), getattr(top, "decode_backend", None),
+                 getattr(top, "primary", None), *(getattr(top, "children", None) or ())]  # fmt: skip
+        for b in parts:
+            if isinstance(b, DualDecoderAttnBackend) and all(b is not f for f in found):
+                found.append(b)
+    return found
 
 
 class DualDecoderAttnBackend(AttentionBackend):
@@ -66,8 +83,9 @@ class DualDecoderAttnBackend(AttentionBackend):
         req_to_token: ``[max_reqs, max_context_len]`` int32 map from request row and
             position to device KV slot (``ReqToTokenPool.req_to_token``).
         params: :class:`SparseParams`.
-        runtime: returns this process's :class:`SparseRuntime` or None (looked up each
-            step: SGLang builds the attention backend before the radix cache).
+        runtime: this process's :class:`SparseRuntime`, or None until the radix-cache factory
+            hands it over (:meth:`attach_runtime`; SGLang builds the attention backend before the
+            radix cache). Without one every step is dense.
         prefetch: :class:`PrefetchParams`.
         events: :class:`BackendEvents` receiver (metrics).
 
@@ -80,7 +98,7 @@ class DualDecoderAttnBackend(AttentionBackend):
         token_to_kv_pool,
         req_to_token: torch.Tensor,
         params: SparseParams,
-        runtime: Callable[[], SparseRuntime | None],
+        runtime: SparseRuntime | None = None,
         prefetch: PrefetchParams | None = None,
         events: BackendEvents | None = None,
     ):
@@ -105,6 +123,12 @@ class DualDecoderAttnBackend(AttentionBackend):
     def __getattr__(self, name):
         return getattr(self.__dict__["dense"], name)
 
+    def attach_runtime(self, runtime: SparseRuntime) -> None:
+        """Hand over the process's :class:`SparseRuntime` (called once, by the radix-cache factory,
+        ``patches/mem_cache_registry.py``, as SGLang's own factory hands HiCache's layer counter to
+        the model worker)."""
+        self.runtime = runtime
+
     def _runner_for(self, rt: SparseRuntime) -> SparseStepRunner:
         """The runner over ``rt``'s host tier, built once (wired to the runtime's release callback)."""
         if self.runner is None or self.runner.host is not rt.host:
@@ -125,7 +149,7 @@ class DualDecoderAttnBackend(AttentionBackend):
             self._release_ring_when_no_sparse_request()
             return
         started = time.perf_counter()
-        rt = self.runtime()
+        rt = self.runtime
         plan = None
         if rt is not None and rt.by_pool:
             runner = self._runner_for(rt)
@@ -134,15 +158,15 @@ class DualDecoderAttnBackend(AttentionBackend):
                 ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
                 _, _, hkv, columns, head_dim = ring.shape
                 self.attention.plan(plan.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
-            rt.ring_buffer_bytes = runner.ring.nbytes
-            rt.critical_buffer_bytes = runner.critical_bytes(plan)
-            rt.selector_aux = runner.aux_bytes()
-            rt.host_index_bytes = runner.host_index_bytes()
+            rt.buffers.ring_buffer_bytes = runner.ring.nbytes
+            rt.buffers.critical_buffer_bytes = runner.critical_bytes(plan)
+            rt.buffers.selector_aux = runner.aux_bytes()
+            rt.buffers.host_index_bytes = runner.host_index_bytes()
         elif self.runner is not None:
             self.runner.end_step()
             self.runner.ring.release()
             if rt is not None:
-                rt.ring_buffer_bytes = rt.critical_buffer_bytes = 0
+                rt.buffers.clear_ring()
         dense_rows = dense_batch = None
         if plan is not None and plan.num_rows < forward_batch.batch_size:
             sparse = set(plan.rows.tolist())
@@ -155,14 +179,14 @@ class DualDecoderAttnBackend(AttentionBackend):
     def _release_ring_when_no_sparse_request(self) -> None:
         """A prefill with no request decoding sparsely: give the layer ring back (it is sized to
         the largest batch since the last release, so an idle server holds none of it)."""
-        rt = self.runtime()
+        rt = self.runtime
         if self.runner is None or rt is None or self.runner.ring.k is None:
             return
         if any(st.path.state is PathState.DECODE_SPARSE for st in rt.by_pool.values()):
             return
         self.runner.end_step()
         self.runner.ring.release()
-        rt.ring_buffer_bytes = rt.critical_buffer_bytes = 0
+        rt.buffers.clear_ring()
 
     @staticmethod
     def _sub_batch(fb, idx: torch.Tensor):

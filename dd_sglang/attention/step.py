@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from dd_sglang.attention.coupling import coupled_guesses
+from dd_sglang.prefetch.events import PrefetchEvents
 from dd_sglang.prefetch.plan import StepPlan
-from dd_sglang.prefetch.runner import PrefetchEvents
 
 
 class BackendEvents(PrefetchEvents):

@@ -31,6 +31,14 @@ from dd_sglang.kvcache.sparse_runtime import SparseRuntime
 logger = logging.getLogger(__name__)
 
 
+def runtime_of(tree_cache) -> SparseRuntime | None:
+    """The :class:`SparseRuntime` the radix-cache factory attached to SGLang's tree cache
+    ``tree_cache`` (``scheduler.tree_cache``, ``PrefillAdder.tree_cache``), or None when the
+    process does not run ``--radix-cache-backend dualdecoder``."""
+    runtime = getattr(tree_cache, "runtime", None)
+    return runtime if isinstance(runtime, SparseRuntime) else None
+
+
 class DualDecoderRadixCache(UnifiedRadixCache):
     """SGLang's ``UnifiedRadixCache`` whose requests may be on the sparse path.
 
@@ -41,6 +49,7 @@ class DualDecoderRadixCache(UnifiedRadixCache):
     runtime: SparseRuntime | None = None
 
     def attach_runtime(self, runtime: SparseRuntime) -> None:
+        """Hand over the process's runtime (the factory calls this once, right after construction)."""
         self.runtime = runtime
 
     def free_kv_row(self, kv, ranges: list[tuple[int, int]]) -> None:

@@ -1,7 +1,7 @@
 """Prometheus receiver of the ``dualdecoder`` attention backend's events.
 
 Implements the methods of :class:`dd_sglang.attention.step.BackendEvents`
-(and of :class:`dd_sglang.prefetch.runner.PrefetchEvents`, which it extends)
+(and of :class:`dd_sglang.prefetch.events.PrefetchEvents`, which it extends)
 (by name; no import of the attention layer) with the metrics of
 :mod:`dd_sglang.metrics.definitions`. Lives in the scheduler process, where
 ``PROMETHEUS_MULTIPROC_DIR`` is set before SGLang starts.

@@ -65,12 +65,13 @@ def snapshot(scheduler) -> DeviceTierSnapshot:
     if torch.cuda.is_available():
         cuda_bytes = int(torch.cuda.memory_allocated())
     return DeviceTierSnapshot(
-        capacity, per_token, slots, used, evictable, running, cuda_bytes, sparse_snapshot()
+        capacity, per_token, slots, used, evictable, running, cuda_bytes, sparse_snapshot(tree)
     )
 
 
-def sparse_snapshot() -> dict | None:
-    """Host-tier and sparse-path figures of this process's ``SparseRuntime`` (None when absent).
+def sparse_snapshot(tree_cache) -> dict | None:
+    """Host-tier and sparse-path figures of the ``SparseRuntime`` attached to SGLang's tree cache
+    ``tree_cache`` (None without ``--radix-cache-backend dualdecoder``).
 
     Keys: ``host_capacity_bytes``, ``host_used_bytes``, ``host_prefix_cache_bytes``,
     ``resident_tokens`` (device slots of sparse requests), ``request_device_tokens_max``,
@@ -78,9 +79,9 @@ def sparse_snapshot() -> dict | None:
     ``selector_aux_bytes`` (device selection state by selector), ``host_index_bytes``, ``states`` (requests by DualPath state), ``offloaded_tokens``,
     ``rebuilt_tokens``, ``host_bytes_per_token``.
     """
-    from dd_sglang.kvcache import sparse_runtime
+    from dd_sglang.kvcache.radix import runtime_of
 
-    rt = sparse_runtime.current()
+    rt = runtime_of(tree_cache)
     if rt is None:
         return None
     per_token = rt.host.get_size_per_token()
@@ -91,10 +92,10 @@ def sparse_snapshot() -> dict | None:
         "host_bytes_per_token": per_token,
         "resident_tokens": rt.resident_tokens(),
         "request_device_tokens_max": rt.max_request_device_tokens(),
-        "critical_buffer_bytes": rt.critical_buffer_bytes if rt.by_pool else 0,
-        "ring_buffer_bytes": rt.ring_buffer_bytes if rt.by_pool else 0,
+        "critical_buffer_bytes": rt.buffers.critical_buffer_bytes if rt.by_pool else 0,
+        "ring_buffer_bytes": rt.buffers.ring_buffer_bytes if rt.by_pool else 0,
         "selector_aux_bytes": rt.selector_aux_bytes(),
-        "host_index_bytes": rt.host_index_bytes,
+        "host_index_bytes": rt.buffers.host_index_bytes,
         "states": rt.state_counts(),
         "offloaded_tokens": rt.offloaded_tokens,
         "rebuilt_tokens": rt.rebuilt_tokens,

@@ -27,7 +27,7 @@ move instead of a chain of indexing, permuting and reshaping operations
   rides there), the step's mask, contiguous, and ``res_slots`` ``[R, n_res]``, the device-pool
   slots of the resident columns (the kernel reads them from the pool, not the ring).
 * **Selection queries.** ``sel_rows``: per ahead group, rows of the layer's
-  queries in the order :func:`~dd_sglang.prefetch.runner._selection_queries`
+  queries in the order :func:`~dd_sglang.prefetch.ahead_selection.selection_queries`
   returns them (``[n, Hkv x Q x G, D]``).
 
 A ring slot is ``[R_reserved, Hkv, N_reserved, D]``; ring rows are

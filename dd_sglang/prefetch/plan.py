@@ -44,117 +44,28 @@ tensors. Building a plan:
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from dd_sglang.prefetch.index import RowBlocks, row_blocks
+from dd_sglang.prefetch.plan_rows import (
+    PlanRow,
+    classify,
+    pad_stack,
+    row_seed,
+    sparse_rows,
+    speculate,
+    update_indexes,
+)
+from dd_sglang.prefetch.predictions import NextSets, PredictionStore, RequestPrediction
 from dd_sglang.prefetch.selectors import Selector
-from dd_sglang.prefetch.speculators import SpecState, Speculator, verify
+from dd_sglang.prefetch.speculators import SpecState, Speculator
 
-
-@dataclass
-class RequestPrediction:
-    """The prefetch layer's state of one sparse request (dropped by :meth:`PredictionStore.release`).
-
-    Attributes:
-        spec: the speculator's state.
-        indexed: positions of the request in the key index, by location
-            (``"host"``, ``"device"``).
-    """
-
-    spec: SpecState = field(default_factory=SpecState)
-    indexed: dict = field(default_factory=dict)
-
-
-@dataclass
-class NextSets:
-    """Critical sets chosen during a step for the next one (lookahead rows), filled layer by layer.
-
-    ``rids``: the rows' request ids in selection order; ``pos`` / ``slots``: ``[layers,
-    len(rids), num_kv_heads, k]`` int64 positions and host slots, allocated at the first
-    :meth:`put_layers` (``k``: the largest ``top_k`` among the rows; columns past a row's own are
-    padding); ``filled``: the layers stored so far.
-    """
-
-    rids: tuple[str, ...] = ()
-    k: int = 1
-    layers: int = 0
-    pos: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
-    filled: set[int] = field(default_factory=set)
-
-    def put(self, layer: int, dest: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store the sets of rows ``dest`` (``[n]`` int64 indices into :attr:`rids`) for ``layer``
-        (``pos`` / ``slots``: ``[n, Hkv, w]``, ``w <= k``)."""
-        self.put_layers(layer, dest, pos[None], slots[None])
-
-    def put_layers(self, l0: int, dest: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store the sets of rows ``dest`` for layers ``[l0, l0 + L)`` (``pos`` / ``slots``: ``[L, n, Hkv,
-        w]``, ``w <= k``) in one indexed write each.
-
-        Raises:
-            ValueError: the layers fall outside ``[0, layers)``.
-        """
-        l1 = l0 + pos.shape[0]
-        self._check(l0, l1)
-        self._alloc(pos.shape[2])
-        w = pos.shape[3]
-        self.pos[l0:l1, dest, :, :w] = pos
-        self.slots[l0:l1, dest, :, :w] = slots
-        self.filled.update(range(l0, l1))
-
-    def direct(self, l0: int, l1: int, dest: torch.Tensor, w: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views ``pos[l0:l1]`` / ``slots[l0:l1]`` (contiguous ``[l1 - l0, len(rids), hkv, k]``) for a
-        selection of every row in order at the full width (``dest`` is ``0..len(rids)-1``, ``w == k``)
-        to write straight into, counted as filled; None otherwise (then :meth:`put_layers`).
-
-        Raises:
-            ValueError: the layers fall outside ``[0, layers)``.
-        """
-        self._check(l0, l1)
-        n = len(self.rids)
-        if w != self.k or dest.numel() != n or not torch.equal(dest, torch.arange(n)):
-            return None
-        self._alloc(hkv)
-        self.filled.update(range(l0, l1))
-        return self.pos[l0:l1], self.slots[l0:l1]
-
-    def _check(self, l0: int, l1: int) -> None:
-        if l0 < 0 or l1 > self.layers:
-            raise ValueError(f"layers [{l0}, {l1}) outside [0, {self.layers})")
-
-    def _alloc(self, hkv: int) -> None:
-        if self.pos is None:
-            shape = (self.layers, len(self.rids), hkv, self.k)
-            self.pos = torch.zeros(shape, dtype=torch.int64)
-            self.slots = torch.zeros(shape, dtype=torch.int64)
-
-
-class PredictionStore:
-    """Per-request prediction state, and the sets chosen for the next step.
-
-    :meth:`release` is registered with the KV-cache runtime as a release callback: a request's
-    state leaves with it.
-    """
-
-    def __init__(self):
-        self.requests: dict[str, RequestPrediction] = {}
-        self.next_sets = NextSets()
-
-    def get(self, rid: str) -> RequestPrediction:
-        """The request's state, created on first use."""
-        st = self.requests.get(rid)
-        if st is None:
-            st = self.requests[rid] = RequestPrediction()
-        return st
-
-    def release(self, rid: str) -> None:
-        """Forget a request (it finished, was aborted or retracted)."""
-        self.requests.pop(rid, None)
+__all__ = ["NextSets", "PlanInputs", "PredictionStore", "RequestPrediction", "SelectionGroup", "StepPlan",
+           "build_step_plan"]
 
 
 @dataclass(frozen=True)
@@ -256,21 +167,6 @@ class StepPlan:
         return self.n_res + self.k + max(self.positions - 1, 1)
 
 
-@dataclass
-class _Row:
-    batch_row: int
-    st: object  # SparseRequest
-    pred: RequestPrediction
-    selector: Selector
-    dev_pos: torch.Tensor
-    cand: torch.Tensor
-    token: int = 0
-    position: int = 0
-    spec_tokens: tuple[int, ...] = ()
-    rejected: bool = False
-    kind: str = "sync"  # ahead | full | sync
-
-
 @dataclass(frozen=True)
 class PlanInputs:
     """What :func:`build_step_plan` reads besides the forward batch (wired once by the backend).
@@ -291,109 +187,12 @@ class PlanInputs:
     sampling: str = "coupled"
 
 
-def _history(st, token: int) -> list[int]:
-    """The request's token ids up to and including the current ``token``."""
-    req = st.req
-    ids = [] if req is None else list(req.origin_input_ids) + list(req.output_ids)
-    if not ids or ids[-1] != token:
-        ids.append(token)
-    return ids
-
-
-def _seed(r: _Row) -> int:
-    """The row's sampling seed under coupled sampling, fixed at its first sparse step
-    (``SpecState.seed``): 63 bits of a BLAKE2b hash of the request id and its ``sampling_seed``
-    (the same on every tensor-parallel rank; distinct for the ``n`` samples of one request, which
-    share a ``sampling_seed`` but not a request id, so their draws stay independent)."""
-    spec = r.pred.spec
-    if spec.seed is None:
-        given = getattr(getattr(r.st.req, "sampling_params", None), "sampling_seed", None)
-        digest = hashlib.blake2b(f"{r.st.rid}/{given}".encode(), digest_size=8).digest()
-        spec.seed = int.from_bytes(digest, "little") >> 1
-    return spec.seed
-
-
-def _is_full(r: _Row) -> bool:
-    """The row's critical set is every candidate (``top_k`` covers them)."""
-    return r.cand.numel() <= r.st.top_k
-
-
-def _speculate(rows: list[_Row], inp: PlanInputs, on_verify) -> None:
-    for r in rows:
-        if not r.selector.uses_speculator or _is_full(r):  # a full row needs no prediction (step 5)
-            r.pred.spec.riding = ()
-            continue
-        ok = verify(r.pred.spec, r.token)
-        if ok is not None:
-            on_verify(r.st.speculator, ok)
-        r.rejected = ok is False
-        tok = inp.speculators[r.st.speculator].propose(_history(r.st, r.token), r.pred.spec)
-        r.pred.spec.riding, r.pred.spec.top = tok, [None] * len(tok)
-        r.spec_tokens = tok
-
-
-def _index_locations(r: _Row) -> tuple[str, ...]:
-    """Where a row's blocks must be summarised: its selector's index, and the host index for every
-    lookahead row (verification ranks the real query there)."""
-    if r.kind == "full":
-        return ()
-    locs = {r.selector.index_location} - {None}
-    if r.selector.lookahead:
-        locs.add("host")
-    return tuple(sorted(locs))
-
-
-def _update_indexes(rows: list[_Row], inp: PlanInputs, host_len) -> None:
-    """Index newly offloaded / flushed positions in the key indexes the rows read."""
-    for r in rows:
-        for loc in _index_locations(r):
-            done = r.pred.indexed.get(loc, 0)
-            n = host_len(r)
-            if n > done:
-                inp.make_index(loc).update(r.st.host_slots, done, n)
-                r.pred.indexed[loc] = n
-
-
-def _pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=torch.int64)
-    for i, t in enumerate(rows):
-        out[i, : t.numel()] = t
-    return out
-
-
-def _rows(fb, rt, inp: PlanInputs) -> list[_Row]:
-    """The batch's sparse rows (one host sync for the batch's ids, positions and lengths)."""
-    bs = fb.batch_size
-    pool_idx = fb.req_pool_indices.tolist()
-    sparse = [(i, rt.sparse_request(int(p))) for i, p in enumerate(pool_idx)]
-    sparse = [(i, st) for i, st in sparse if st is not None]
-    if not sparse:
-        return []
-    seq_lens, ids, positions = fb.seq_lens.tolist(), fb.input_ids[:bs].tolist(), fb.positions[:bs].tolist()
-    return [
-        _Row(i, st, inp.store.get(st.rid), inp.selectors[st.selector], st.device_positions(int(seq_lens[i])),
-             st.host_candidates(), int(ids[i]), int(positions[i]))  # fmt: skip
-        for i, st in sparse
-    ]
-
-
-def _classify(rows: list[_Row], nxt: NextSets, n_layers: int) -> list[_Row]:
-    """Mark each row ahead / full / sync and order them so (module docstring, step 3)."""
-    have = set(nxt.rids) if len(nxt.filled) == n_layers == nxt.layers else set()
-    for r in rows:
-        if _is_full(r):
-            r.kind = "full"
-        elif r.selector.lookahead and r.st.rid in have:
-            r.kind = "ahead"
-    return sorted(rows, key=lambda r: ("ahead", "full", "sync").index(r.kind))
-
-
-def _fixed_sets(rows: list[_Row], nxt: NextSets, n_ahead: int, n_fixed: int, k: int, hkv: int, n_layers: int):
+def _fixed_sets(rows: list[PlanRow], nxt: NextSets, n_ahead: int, n_fixed: int, k: int, hkv: int, n_layers: int):
     """``[layers, n_fixed, Hkv, k]`` positions and host slots of the fixed rows: last step's
     selections (one gather for every layer) then every candidate of the full rows."""
     full = rows[n_ahead:n_fixed]
-    full_pos = _pad_stack([r.cand for r in full], k)[None, :, None].expand(n_layers, -1, hkv, -1)
-    full_slots = _pad_stack([r.st.host_slots[r.cand] for r in full], k)[None, :, None].expand(n_layers, -1, hkv, -1)
+    full_pos = pad_stack([r.cand for r in full], k)[None, :, None].expand(n_layers, -1, hkv, -1)
+    full_slots = pad_stack([r.st.host_slots[r.cand] for r in full], k)[None, :, None].expand(n_layers, -1, hkv, -1)
     if not n_ahead:
         return full_pos, full_slots
     where = {rid: j for j, rid in enumerate(nxt.rids)}
@@ -411,7 +210,7 @@ def _fixed_sets(rows: list[_Row], nxt: NextSets, n_ahead: int, n_fixed: int, k: 
     return torch.cat([a, full_pos], dim=1), torch.cat([b, full_slots], dim=1)
 
 
-def _ride(fb, rows: list[_Row]) -> tuple[list, dict, torch.Tensor]:
+def _ride(fb, rows: list[PlanRow]) -> tuple[list, dict, torch.Tensor]:
     """Append the speculated tokens to the batch (after its real rows); ``(spec, token index, qidx)``."""
     bs = fb.batch_size
     n_spec = max((len(r.spec_tokens) for r in rows), default=0)
@@ -440,17 +239,17 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         on_verify: ``(speculator, accepted)`` for every verified speculation (metrics).
     """
     started = time.perf_counter()
-    rows = _rows(fb, rt, inp)
+    rows = sparse_rows(fb, rt, inp)
     if not rows:
         return None
-    _speculate(rows, inp, on_verify)
+    speculate(rows, inp, on_verify)
     nxt = inp.store.next_sets
-    rows = _classify(rows, nxt, rt.host.layer_num)
-    _update_indexes(rows, inp, lambda r: r.st.host_len)
+    rows = classify(rows, nxt, rt.host.layer_num)
+    update_indexes(rows, inp, lambda r: r.st.host_len)
     n = len(rows)
     n_ahead = sum(r.kind == "ahead" for r in rows)
     n_fixed = n_ahead + sum(r.kind == "full" for r in rows)
-    k = max(1, max(r.st.top_k if r.kind != "full" else r.cand.numel() for r in rows))
+    k = max(1, max(r.st.choice.top_k if r.kind != "full" else r.cand.numel() for r in rows))
     fixed_pos, fixed_slots = _fixed_sets(rows, nxt, n_ahead, n_fixed, k, rt.host.k.shape[2], rt.host.layer_num)
     blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
                         [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
@@ -458,8 +257,8 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
     # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
     inp.store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
-                                   max((rows[j].st.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
-    verify = [j for j in range(n_ahead) if (rows[j].st.miss_policy or inp.miss_policy) == "verify"]
+                                   max((rows[j].st.choice.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
+    verify = [j for j in range(n_ahead) if (rows[j].st.choice.miss_policy or inp.miss_policy) == "verify"]
     n_res = max(int(r.dev_pos.numel()) for r in rows)
     positions = qidx.shape[1]
     own = max(positions - 1, 1)
@@ -486,26 +285,26 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         qidx=qidx.to(dev),
         **_spec_fields(rows, spec, spec_tok, cols - own, dev),
         mask=_mask(rows, n_res, k, positions, cols).to(dev),
-        top_k=torch.tensor([r.st.top_k for r in rows], dtype=torch.int64),
+        top_k=torch.tensor([r.st.choice.top_k for r in rows], dtype=torch.int64),
         sampled=torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64),
         rejected=tuple(r.rejected for r in rows),
-        labels=tuple((r.selector.name, r.st.speculator if r.selector.uses_speculator else "none") for r in rows),
+        labels=tuple((r.selector.name, r.st.choice.speculator if r.selector.uses_speculator else "none") for r in rows),
         started=started,
         exact_rows=tuple(rows[j].batch_row for j, _ in exact),
         exact_cols=tuple(c.to(dev) for _, c in exact),
-        seeds=tuple(_seed(r) for r in rows) if inp.sampling == "coupled" else (),
+        seeds=tuple(row_seed(r) for r in rows) if inp.sampling == "coupled" else (),
     )
 
 
-def _resident_slots(fb, rows: list[_Row], req_to_token: torch.Tensor, n_res: int) -> torch.Tensor:
+def _resident_slots(fb, rows: list[PlanRow], req_to_token: torch.Tensor, n_res: int) -> torch.Tensor:
     """``[len(rows), n_res]`` int64 on the CPU: each row's resident device slots (SGLang's
-    ``req_to_token`` at its ``dev_pos``), padded as :func:`_pad_stack` pads."""
+    ``req_to_token`` at its ``dev_pos``), padded as :func:`pad_stack` pads."""
     r2t = req_to_token
-    return _pad_stack([r2t[int(fb.req_pool_indices[r.batch_row])][r.dev_pos.to(r2t.device)].long().cpu()
+    return pad_stack([r2t[int(fb.req_pool_indices[r.batch_row])][r.dev_pos.to(r2t.device)].long().cpu()
                        for r in rows], n_res)  # fmt: skip
 
 
-def _spec_fields(rows: list[_Row], spec: list, spec_tok: dict, first_col: int, dev) -> dict:
+def _spec_fields(rows: list[PlanRow], spec: list, spec_tok: dict, first_col: int, dev) -> dict:
     """:class:`StepPlan`'s speculated-position fields from :func:`_ride`'s ``spec`` (``(row, s, _)``
     per riding position) and ``spec_tok`` (its token by ``(row, s)``): int64 tensors on ``dev``
     (``spec_rows``, ``spec_slots`` = ``s + 1``, ``spec_tokens``, ``spec_cols`` = ``first_col + s``,
@@ -523,7 +322,7 @@ def _spec_fields(rows: list[_Row], spec: list, spec_tok: dict, first_col: int, d
     }
 
 
-def _exact_cols(r: _Row, n_res: int) -> torch.Tensor | None:
+def _exact_cols(r: PlanRow, n_res: int) -> torch.Tensor | None:
     """``[seq_len]`` int64: a full row's ring columns (resident ``[0, len(dev_pos))``, critical
     ``[n_res, n_res + len(cand))``) ordered by the position each holds; None unless together they
     hold exactly the positions ``[0, seq_len)`` (then the row is not attended as an exact row)."""
@@ -535,12 +334,12 @@ def _exact_cols(r: _Row, n_res: int) -> torch.Tensor | None:
     return cols[idx]
 
 
-def _lo(r: _Row) -> int:
+def _lo(r: PlanRow) -> int:
     """First candidate position: past the sinks (``keep_pos`` starts with them)."""
     return int(r.cand[0]) if r.cand.numel() else 0
 
 
-def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool,
+def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool,
             real_query: str = "never") -> list:  # fmt: skip
     """Group plan rows ``which`` by selector (one selection call per group and layer).
 
@@ -568,11 +367,11 @@ def _groups(rows: list[_Row], which, blocks: RowBlocks, qidx: torch.Tensor, use_
         # Every row, in order (one selector, no cold start): the step's blocks themselves, so their
         # cached ``tokens`` are built once for the plan and the selection.
         taken = blocks if js == list(range(len(rows))) else blocks.take(idx)
-        out.append(SelectionGroup(sel, idx, q, taken, max(rows[j].st.top_k for j in js), dest))
+        out.append(SelectionGroup(sel, idx, q, taken, max(rows[j].st.choice.top_k for j in js), dest))
     return out
 
 
-def _mask(rows: list[_Row], n_res: int, k: int, positions: int, cols: int) -> torch.Tensor:
+def _mask(rows: list[PlanRow], n_res: int, k: int, positions: int, cols: int) -> torch.Tensor:
     """``[R, positions, cols]`` bool: resident, critical (row's own length), then each
     speculated position's own column (read by that position only)."""
     n = len(rows)
@@ -580,7 +379,7 @@ def _mask(rows: list[_Row], n_res: int, k: int, positions: int, cols: int) -> to
     first_own = cols - max(positions - 1, 1)
     for j, r in enumerate(rows):
         m[j, :, : r.dev_pos.numel()] = True
-        kk = r.cand.numel() if r.kind == "full" else r.st.top_k
+        kk = r.cand.numel() if r.kind == "full" else r.st.choice.top_k
         m[j, :, n_res : n_res + kk] = True
         for s in range(len(r.spec_tokens)):
             m[j, 1 + s, first_own + s] = True

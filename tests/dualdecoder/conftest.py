@@ -23,7 +23,8 @@ from tests.servers import boots, serve
 CAP = 4200
 #: SGLang's ``--chunked-prefill-size`` there (the preset's). Two ~2k prompts fit one prefill batch,
 #: which can fill the pool to 0.97: the capacity test then sees a request's offload unpin its own
-#: prompt to get its resident slots (``SparseRuntime._move_tree_owned``), and all 8 must still go sparse.
+#: prompt to get its resident slots (``Offloader._move_tree_owned``, ``dd_sglang/kvcache/offload.py``),
+#: and all 8 must still go sparse.
 CHUNK = 4096
 #: Its host tier (``sparse.host_tier_bytes``; the preset's 2 GiB, halved): 46,603 bf16 tokens, 23,301
 #: float32 ones; the capacity test's 8 requests hold ~16k. ~1.3 GB less resident memory (the tier
