@@ -125,7 +125,7 @@ def test_pressure_keeps_a_long_request_dense_with_its_kv_untouched():
     a = request(alloc, r2t, 2, 200, "a")
     row = r2t[2, :200].clone()
     rt.after_extend(SimpleNamespace(reqs=[a]), TREE)
-    decode_steps(rt, alloc, pool, r2t, a, TREE, 3)  # grows past min_sparse_len further: still dense
+    decode_steps(rt, alloc, pool, r2t, a, TREE, 3, dense=True)  # grows past min_sparse_len further: still dense
     st = rt.requests["a"]
     assert st.path.history == [S.PREFILL_FULL, S.DENSE]
     assert torch.equal(r2t[2, :200], row) and rt.host.used_bytes == 0
