@@ -49,8 +49,8 @@ def PrefillAdder__check_prefill_budget(original, self, req, *args, total_tokens,
     if cap is not None:
         total_tokens -= max_new - cap
     verdict = original(self, req, *args, total_tokens=total_tokens, **kwargs)
-    if verdict[0] or cap is not None:
-        return verdict
+    if verdict[0] or cap is not None or not runtime.pressure.active(req):
+        return verdict  # admitted, or nothing the pressure policy may move (always: main's behaviour)
     running = [] if self.running_batch is None else [r for r in self.running_batch.reqs if r not in self.preempt_list]
     need = int(total_tokens - self.rem_total_tokens) + 1  # the budget admits total_tokens < remaining
     plan = runtime.pressure.plan_admission(running, self._get_running_request_total_token_offset, req, max_new, need)

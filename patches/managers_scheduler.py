@@ -42,8 +42,10 @@ def Scheduler_process_batch_result(result, self, *args, **kwargs):
             reclaimed = runtime.after_extend(batch, self.tree_cache)
         running = getattr(self, "running_batch", None)
         if running is not None and (
-            reclaimed or (getattr(self, "waiting_queue", None) and runtime.admission_may_reopen(running.reqs))
-        ):
+            reclaimed
+            or (runtime.pressure.active() and getattr(self, "waiting_queue", None)
+                and runtime.admission_may_reopen(running.reqs))
+        ):  # fmt: skip
             # SGLang closes admission (batch_is_full) when a request did not fit (NO_TOKEN) and
             # only a leaving request reopens it; released device KV is room just the same, and so
             # is the KV of a running request the pressure policy may offload.

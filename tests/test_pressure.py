@@ -267,3 +267,38 @@ def test_a_marked_request_released_before_its_prefill_leaves_no_mark():
     rt.pressure.mark_waiting("w")
     rt.on_release(SimpleNamespace(rid="w"))  # aborted while queued: SGLang releases an untracked request
     assert not rt.table.pressure_marked
+
+
+def test_under_always_the_hooks_return_sglangs_answer_and_touch_nothing():
+    """The preset's ``always`` and no request asking for ``pressure``: the admission, retraction and
+    reopening hooks call SGLang's check once, return its answer, and move nothing."""
+    rt, pool, alloc, r2t, seen = runtime("always")
+    a = request(alloc, r2t, 2, 200, "a", custom={"dd_sparse": False})  # a long dense request under always
+    rt.after_extend(SimpleNamespace(reqs=[a]), TREE)
+    assert not rt.pressure.active() and not rt.admission_may_reopen([a])
+    calls = []
+
+    def check(self, selected_indices=None):
+        calls.append(selected_indices)
+        return False
+
+    batch = SimpleNamespace(reqs=[a], tree_cache=SimpleNamespace(runtime=rt))
+    assert decode_mem_hook(check, batch) is False and calls == [None]
+    adder = FakeAdder(rt, alloc, [a])
+
+    def refuse(adder, r, **kw):
+        calls.append(kw["total_tokens"])
+        return False, None
+
+    # A long waiting request: main's cap (it goes sparse after its prefill: 64 - 31 fewer), one check.
+    assert hook(refuse, adder, waiting_request(150, 64), total_tokens=222, **KW) == (False, None)
+    assert calls == [None, 222 - 33]
+    # A short one (no cap): SGLang's figure, one check, no plan.
+    assert hook(refuse, adder, waiting_request(40, 300), total_tokens=348, **KW) == (False, None)
+    assert calls == [None, 189, 348]
+    assert rt.requests["a"].path.state is S.DENSE and alloc.available_size() == SLOTS - 200
+    assert seen == {"changes": [], "offloads": []} and not rt.table.pressure_marked
+    # A waiting request that asks for pressure makes the policy active for its admission.
+    asking = waiting_request(150, 64)
+    asking.sampling_params.custom_params = {"dd_policy": "pressure"}
+    assert rt.pressure.active(asking) and not rt.pressure.active(waiting_request(150, 64))

@@ -129,6 +129,23 @@ class PressureRelief:
         self.tally = tally
         self.hooks = hooks
 
+    # ------------------------------------------------------------------ the guard
+    def active(self, req=None) -> bool:
+        """Whether the ``pressure`` policy may act at all: the preset's ``sparse.policy`` is ``pressure``,
+        a tracked request chose it (``custom_params.dd_policy``), or ``req`` (being admitted) asks for it.
+        False under ``always`` with no request asking: the hooks (``patches/``) then return SGLang's
+        own answer and touch nothing."""
+        if self.params.policy == "pressure":
+            return True
+        if any(st.path.policy == "pressure" for st in self.table.requests.values()):
+            return True
+        if req is None:
+            return False
+        try:
+            return self.admission.overrides(req).get("policy") == "pressure"
+        except ValueError:
+            return False
+
     # ------------------------------------------------------------------ candidates
     def resident_estimate(self, context_tokens: int) -> int:
         """Device slots a request of ``context_tokens`` keeps once offloaded: sinks, kept tokens, window."""
@@ -179,6 +196,8 @@ class PressureRelief:
 
     def has_candidates(self, reqs: Iterable) -> bool:
         """Whether any of ``reqs`` (SGLang's running ``Req`` s) could be offloaded now."""
+        if not self.active():
+            return False
         return any(self.candidate(req) is not None for req in reqs)
 
     def waiting_candidate(self, req, max_new: int) -> Candidate | None:
