@@ -107,6 +107,36 @@ class FanOutCompletions:
         return [self.answers[(self.current, ctx)] for ctx, _ in args]
 
 
+def niah_single_1_spec(samples: int) -> dict:
+    """lm-eval's ``niah_single_1`` task config with its data generated for ``samples`` samples only.
+
+    lm-eval 0.4.13's own ``niah_utils.niah_single_1`` generates 500 samples per length whatever
+    ``limit`` says (tokenizing each ~length-token prompt: most of a two-sample run's time). This
+    is that task's YAML (``lm_eval/tasks/ruler/niah_single_1.yaml``, read by lm-eval's loader)
+    with ``custom_dataset`` calling the same generator (``prepare_niah.generate_samples``) with
+    that task's arguments and ``num_samples=samples``: the generator draws sample after sample
+    from Python's global random, which ``simple_evaluate`` seeds first (``random_seed``), so these
+    are the first ``samples`` of lm-eval's 500 (``tests/test_bench_quality_units.py`` checks it).
+    A dict spec, as ``simple_evaluate`` takes it.
+    """
+    from lm_eval.tasks._yaml_loader import load_yaml
+    from lm_eval.tasks.ruler import niah_utils as nu
+
+    def dataset(**kwargs):
+        lengths = kwargs.pop("max_seq_lengths", nu.DEFAULT_SEQ_LENGTHS)
+        tok = nu.get_tokenizer(nu.resolve_tokenizer_name(kwargs))
+        return nu.download_dataset(
+            nu.generate_samples(nu.get_haystack(type_haystack="repeat"), max_seq_length=n, template=nu.TEMPLATE,
+                                type_haystack="repeat", type_needle_k="words", type_needle_v="numbers",
+                                num_samples=samples, TOKENIZER=tok)  # fmt: skip
+            for n in lengths
+        )
+
+    cfg = load_yaml(Path(nu.__file__).with_name("niah_single_1.yaml"), resolve_func=True)
+    cfg["custom_dataset"] = dataset
+    return cfg
+
+
 def _no_loglikelihood(lm, requests, disable_tqdm=False):
     raise NotImplementedError("bench.ruler runs generation tasks only")
 
@@ -127,7 +157,7 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     lm.current = config
     out = lm_eval.simple_evaluate(
         model=lm.lm,
-        tasks=[task],
+        tasks=[niah_single_1_spec(samples) if task == "niah_single_1" else task],
         task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer,
                                            "pretrained": tokenizer}),  # fmt: skip
         limit=samples,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -210,3 +211,31 @@ def test_set_overrides_are_dotted_preset_keys_on_the_bench_preset():
     assert base.experimental.request_overrides and base.prefetch.hit_rate_sample == 1.0
     with pytest.raises(ValueError, match="each key once"):
         parse_sets(["prefetch.rerank=4", "prefetch.rerank=2"])
+
+
+def test_ruler_spec_generates_the_first_samples_of_lm_evals_own_task(model_path, monkeypatch):
+    """bench.ruler's niah_single_1 calls lm-eval's generator with that task's own arguments but
+    ``num_samples``, and its samples are lm-eval's first ones, field for field. (lm-eval's 500 cost
+    ~20 s here: its call is cut to 2 samples too, and the arguments of both calls compared.)"""
+    from lm_eval.tasks.ruler import niah_utils
+
+    from bench.ruler import niah_single_1_spec
+
+    real, calls = niah_utils.generate_samples, []
+
+    def recording(haystack, **kw):
+        calls.append(dict(kw))
+        return real(haystack, **{**kw, "num_samples": 2})
+
+    monkeypatch.setattr(niah_utils, "generate_samples", recording)
+    meta = {"max_seq_lengths": [384], "tokenizer": str(model_path), "pretrained": str(model_path)}
+    # The generator draws from Python's global random, which simple_evaluate seeds (random_seed=0).
+    random.seed(0)
+    ours = niah_single_1_spec(2)["custom_dataset"](**dict(meta))["test"]
+    random.seed(0)
+    theirs = niah_utils.niah_single_1(**dict(meta))["test"]
+    assert len(ours) == len(theirs) == 2
+    assert [ours[i] for i in range(2)] == [theirs[i] for i in range(2)]
+    mine, lm_evals = ({k: v for k, v in c.items() if k not in ("num_samples", "TOKENIZER")} for c in calls)
+    assert mine == lm_evals and calls[0]["num_samples"] == 2 and calls[1]["num_samples"] == 500
+    assert niah_single_1_spec(2)["task"] == "niah_single_1"
