@@ -51,25 +51,10 @@ def PrefillAdder__check_prefill_budget(original, self, req, *args, total_tokens,
     verdict = original(self, req, *args, total_tokens=total_tokens, **kwargs)
     if verdict[0] or cap is not None or not runtime.pressure.active(req):
         return verdict  # admitted, or nothing the pressure policy may move (always: main's behaviour)
-    running = [] if self.running_batch is None else [r for r in self.running_batch.reqs if r not in self.preempt_list]
-    need = int(total_tokens - self.rem_total_tokens) + 1  # the budget admits total_tokens < remaining
-    plan = runtime.pressure.plan_admission(running, self._get_running_request_total_token_offset, req, max_new, need)
-    if not plan:
-        return verdict
-    waiting = False
-    for victim in plan:
-        if victim.waiting:
-            waiting = True
-            continue
-        before = self._get_running_request_total_token_offset(victim.req)
-        if runtime.pressure.offload(victim.req, self.tree_cache, "admission"):
-            self.memory_budget.total_offset -= before - self._get_running_request_total_token_offset(victim.req)
-    if waiting:
-        total_tokens -= max_new - runtime.sparse_reservation(max_new)
-    verdict = original(self, req, *args, total_tokens=total_tokens, **kwargs)
-    if verdict[0] and waiting:
-        runtime.pressure.mark_waiting(req.rid)
-    return verdict
+    return runtime.pressure.relieve_admission(
+        self, req, max_new, total_tokens, verdict,
+        lambda total: original(self, req, *args, total_tokens=total, **kwargs),
+    )  # fmt: skip
 
 
 HOOKS = [

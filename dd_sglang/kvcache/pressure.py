@@ -230,6 +230,44 @@ class PressureRelief:
             return None
         return choose_victims(cands, need, self.admission.host_room())
 
+    def relieve_admission(self, adder, req, max_new: int, total_tokens: float, refused: tuple,
+                          check: Callable[[float], tuple]) -> tuple:  # fmt: skip
+        """SGLang's prefill budget refused waiting request ``req``: offload what :meth:`plan_admission`
+        chooses among the adder's running requests, cut the adder's reservation for each
+        (``adder.memory_budget.total_offset``, as SGLang's ``PrefillAdder.preempt_to_schedule``
+        adjusts it), and ask ``check(total_tokens)`` (SGLang's own budget check) once more.
+
+        Args:
+            adder: SGLang's ``PrefillAdder`` (``running_batch``, ``preempt_list``,
+                ``rem_total_tokens``, ``memory_budget``, ``tree_cache``,
+                ``_get_running_request_total_token_offset``).
+            req: the waiting request; ``max_new``: tokens SGLang reserves for its generation.
+            total_tokens: the budget's figure for ``req`` (tokens) that ``check`` refused.
+            refused: that refusal (SGLang's verdict), returned when no plan makes ``req`` fit.
+            check: SGLang's ``_check_prefill_budget`` for ``req`` at a given ``total_tokens``.
+
+        Returns:
+            ``check``'s new verdict, or ``refused`` when nothing was moved.
+        """
+        batch = adder.running_batch
+        running = [] if batch is None else [r for r in batch.reqs if r not in adder.preempt_list]
+        need = int(total_tokens - adder.rem_total_tokens) + 1  # the budget admits total_tokens < remaining
+        reserve_of = adder._get_running_request_total_token_offset
+        plan = self.plan_admission(running, reserve_of, req, max_new, need)
+        if not plan:
+            return refused
+        for victim in (v for v in plan if not v.waiting):
+            before = reserve_of(victim.req)
+            if self.offload(victim.req, adder.tree_cache, "admission"):
+                adder.memory_budget.total_offset -= before - reserve_of(victim.req)
+        waiting = any(v.waiting for v in plan)
+        if waiting:
+            total_tokens -= max_new - min(max_new, self.params.resident_bound)
+        verdict = check(total_tokens)
+        if verdict[0] and waiting:
+            self.mark_waiting(req.rid)
+        return verdict
+
     def mark_waiting(self, rid: str) -> None:
         """Request ``rid`` was admitted as one that goes sparse right after its prefill."""
         self.table.pressure_marked.add(rid)
