@@ -72,7 +72,7 @@ def test_low_load_pressure_requests_stay_dense_and_match_dense_tokens(dd_server,
     results: list[dict | None] = [None, None]
 
     def run(i):
-        results[i] = complete(dd_server, prompts[2 + i][0], 24, PRESSURE)
+        results[i] = complete(dd_server, prompts[2 + i][0], 24, PRESSURE, ignore_eos=True)
 
     workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for w in workers:
