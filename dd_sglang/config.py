@@ -30,6 +30,8 @@ DEFAULT_PRESET = "cpu-smollm2"
 SGLangScalar = str | int | float | bool
 #: Critical-set selectors (``dd_sglang.prefetch.selectors.SELECTORS``; ``tests/test_config.py`` checks they agree).
 SelectorName = Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency", "host_sync"]
+#: DualPath policies (``sparse.policy``): when a long request leaves the dense path.
+PathPolicy = Literal["always", "pressure"]
 
 
 class ConfigError(ValueError):
@@ -111,7 +113,8 @@ class SparseSection(_Strict):
     """The sparse decode path (``--attention-backend dualdecoder``, which also selects
     ``--radix-cache-backend dualdecoder``).
 
-    A request whose context reaches ``min_sparse_len`` tokens is prefilled densely, its KV copied to
+    A request whose context reaches ``min_sparse_len`` tokens (under ``policy: pressure``: and whose device
+    KV is needed for other work) is prefilled densely, its KV copied to
     the host tier and its device KV released down to the resident set (the first ``n_sink`` and the
     last ``n_recent`` tokens). Each decode step then attends, per layer and KV head, to the resident
     set plus ``top_k`` host-tier tokens chosen by ``selector``. Token counts unless a key says bytes.
@@ -120,6 +123,16 @@ class SparseSection(_Strict):
     min_sparse_len: int = Field(1024, ge=1, le=10_000_000,
                                 description="Context length in tokens from which a request decodes sparsely; "
                                 "shorter ones decode densely, exactly.")  # fmt: skip
+    policy: PathPolicy = Field(
+        "always",
+        description="When a request at or past ``min_sparse_len`` leaves the dense path. ``always``: as soon as its "
+        "context reaches ``min_sparse_len`` (right after its prefill, or at the decode step that brings it there). "
+        "``pressure``: it stays dense, exact, while the device pool holds it and the work waiting for it; when "
+        "SGLang would refuse a waiting request for lack of KV slots, or retract a running one because decode "
+        "outgrew the pool, running dense requests past ``min_sparse_len`` are offloaded to the host tier (those "
+        "that free the most slots first) until the work fits. A request may override it with "
+        "``custom_params.dd_policy``.",
+    )
     top_k: int = Field(
         256, ge=1, le=1_000_000,
         description="Critical-set size: host-tier tokens attended per layer and KV head each step, beside the "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 MODULES = (
     "patches.managers_scheduler",
     "patches.managers_schedule_policy",
+    "patches.managers_schedule_batch",
     "patches.layers_attention_attention_registry",
     "patches.mem_cache_registry",
     "patches.sampling_sampling_params",

@@ -10,7 +10,12 @@
   input plus ``min(max_new_tokens - generated, 4096)`` (``add_one_req``). One that goes sparse
   after its prefill never holds more than its resident bound afterwards, so only that bound is
   counted for its generation (:meth:`SparseRuntime.admission_new_tokens`); the budget's own
-  check then runs unchanged.
+  check then runs unchanged. When it refuses (SGLang would answer ``NO_TOKEN``) and the
+  ``pressure`` policy has running dense requests to offload (:mod:`dd_sglang.kvcache.pressure`),
+  those the plan chooses are offloaded now, the adder's reservation for each is cut to what it
+  can still add (``memory_budget.total_offset``, as SGLang's own ``preempt_to_schedule`` adjusts
+  it), and the check runs once more; a plan that makes the waiting request itself go sparse
+  after its prefill counts only ``resident_bound`` for its generation.
 
 Both read the runtime from the adder's own ``tree_cache`` (the ``dualdecoder`` radix cache holds it).
 """
@@ -37,12 +42,19 @@ def PrefillAdder__check_prefill_budget(original, self, req, *args, total_tokens,
     from dd_sglang.kvcache.radix import runtime_of
 
     runtime = runtime_of(self.tree_cache)
-    if runtime is not None:
-        max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-        cap = runtime.admission_new_tokens(req, max_new)
-        if cap is not None:
-            total_tokens -= max_new - cap
-    return original(self, req, *args, total_tokens=total_tokens, **kwargs)
+    if runtime is None:
+        return original(self, req, *args, total_tokens=total_tokens, **kwargs)
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    cap = runtime.admission_new_tokens(req, max_new)
+    if cap is not None:
+        total_tokens -= max_new - cap
+    verdict = original(self, req, *args, total_tokens=total_tokens, **kwargs)
+    if verdict[0] or cap is not None or not runtime.pressure.active(req):
+        return verdict  # admitted, or nothing the pressure policy may move (always: main's behaviour)
+    return runtime.pressure.relieve_admission(
+        self, req, max_new, total_tokens, verdict,
+        lambda total: original(self, req, *args, total_tokens=total, **kwargs),
+    )  # fmt: skip
 
 
 HOOKS = [

@@ -6,7 +6,10 @@
   (``SparseRuntime.after_extend`` / ``after_decode``; errors there propagate:
   a half-done offload must not be hidden). When that made device slots
   reclaimable, reopen admission (``running_batch.batch_is_full = False``, as
-  SGLang does when a request leaves). Then refresh the gauges
+  SGLang does when a request leaves); reopen it too while requests wait and a running
+  one could be offloaded for them under the ``pressure`` policy
+  (``SparseRuntime.admission_may_reopen``; the admission hook,
+  ``patches/managers_schedule_policy.py``, then offloads it). Then refresh the gauges
   (rate-limited by ``metrics.update_interval_s``).
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
   idle baseline after the last request.
@@ -38,9 +41,14 @@ def Scheduler_process_batch_result(result, self, *args, **kwargs):
         elif mode.is_extend():
             reclaimed = runtime.after_extend(batch, self.tree_cache)
         running = getattr(self, "running_batch", None)
-        if reclaimed and running is not None:
+        if running is not None and (
+            reclaimed
+            or (runtime.pressure.active() and getattr(self, "waiting_queue", None)
+                and runtime.admission_may_reopen(running.reqs))
+        ):  # fmt: skip
             # SGLang closes admission (batch_is_full) when a request did not fit (NO_TOKEN) and
-            # only a leaving request reopens it; released device KV is room just the same.
+            # only a leaving request reopens it; released device KV is room just the same, and so
+            # is the KV of a running request the pressure policy may offload.
             running.batch_is_full = False
     refresh_scheduler_metrics(self)
 

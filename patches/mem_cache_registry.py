@@ -51,6 +51,18 @@ def _count_rebuild(n_tokens: int) -> None:
     HOST_TIER_REBUILT_TOKENS.inc(n_tokens)
 
 
+def _count_path_change(reason: str) -> None:
+    from dd_sglang.metrics.definitions import DUALPATH_PATH_CHANGES
+
+    DUALPATH_PATH_CHANGES.labels(reason=reason).inc()
+
+
+def _count_pressure_offload(trigger: str) -> None:
+    from dd_sglang.metrics.definitions import PRESSURE_OFFLOADS
+
+    PRESSURE_OFFLOADS.labels(trigger=trigger).inc()
+
+
 def _count_unpin() -> None:
     from dd_sglang.metrics.definitions import OFFLOAD_UNPINNED
 
@@ -98,6 +110,8 @@ def create_dualdecoder_radix_cache(ctx):
             on_transition=_count_transition if ranks.primary else None,
             on_rebuild=_count_rebuild if ranks.primary else None,
             on_unpin=_count_unpin if ranks.primary else None,
+            on_path_change=_count_path_change if ranks.primary else None,
+            on_pressure_offload=_count_pressure_offload if ranks.primary else None,
             selectors=selectors,
             speculators=speculators,
             speculator=cfg.experimental.speculator,

@@ -61,6 +61,8 @@ def test_every_shipped_preset_validates():
         ({"sparse": {"request_max_top_k": "512"}}, ["sparse.request_max_top_k", "valid integer", "got '512'"]),
         ({"sparse": {"request_max_top_k": True}}, ["sparse.request_max_top_k", "valid integer", "got True"]),
         ({"sparse": {"min_sparse_len": True}}, ["sparse.min_sparse_len", "valid integer"]),
+        ({"sparse": {"policy": "lazy"}}, ["sparse.policy", "'always'", "'pressure'", "lazy"]),
+        ({"sparse": {"policy": "Pressure"}}, ["sparse.policy", "'always'", "'pressure'", "Pressure"]),
         ({"server": {"max_total_tokens": "4096"}}, ["server.max_total_tokens", "valid integer"]),
         ({"metrics": {"update_interval_s": "fast"}}, ["metrics.update_interval_s", "valid number"]),
     ],
@@ -73,7 +75,7 @@ def test_bad_values_name_the_key_and_range(data, needles):
 
 
 #: Most preset keys an operator meets: every leaf key outside the ``experimental`` section.
-SHIPPED_KEYS_MAX = 26
+SHIPPED_KEYS_MAX = 27
 
 
 def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -92,7 +94,7 @@ def test_the_shipped_schema_stays_small():
     under ``experimental`` only, and no measured loser is back among the shipped keys."""
     shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
-    assert len(shipped) == 26  # name, model.path, server 8, metrics 4, sparse 9, prefetch 3
+    assert len(shipped) == 27  # name, model.path, server 8, metrics 4, sparse 10, prefetch 3
     moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "branches", "confident",
              "real_query", "sampling", "n_keep"}  # fmt: skip
     assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
@@ -195,6 +197,7 @@ def test_dd_flags_are_split_from_sglang_flags():
         ("server:\n  port: 0\n", "server.port"),
         ("server:\n  maxtokens: 5\n", "unknown key 'server.maxtokens'"),
         ("sparse:\n  request_max_top_k: 100\n", "key 'sparse.request_max_top_k': Value error, is below sparse.top_k (256)"),
+        ("sparse:\n  policy: lazy\n", "sparse.policy"),
     ],
 )
 def test_launcher_rejects_bad_preset_before_sglang_starts(tmp_path, yaml_text, needle):

@@ -162,8 +162,10 @@ def test_offload_copies_everything_and_keeps_only_the_resident_set():
     assert st.host_candidates().tolist() == [p for p in range(100) if p not in resident]
 
 
-def decode_steps(rt, alloc, pool, r2t, req, tree, n):
-    """``n`` decode steps as SGLang runs them: one new slot per step, its K/V written, committed."""
+def decode_steps(rt, alloc, pool, r2t, req, tree, n, dense=False):
+    """``n`` decode steps as SGLang runs them: one new slot per step, its K/V written, committed. A sparse
+    request (the default) stays within the resident bound; ``dense=True``: the request must stay DENSE and
+    hold a device slot for every position."""
     bound = rt.params.resident_bound
     for _ in range(n):
         pos = req.kv.kv_committed_len
@@ -177,6 +179,10 @@ def decode_steps(rt, alloc, pool, r2t, req, tree, n):
         req.output_ids.append(pos)
         rt.after_decode(SimpleNamespace(reqs=[req]), tree)
         st = rt.requests[req.rid]
+        if dense:
+            assert st.path.state is PathState.DENSE
+            assert st.device_tokens(req.kv.kv_committed_len) == req.kv.kv_committed_len and st.host_len == 0
+            continue
         assert st.device_tokens(req.kv.kv_committed_len) <= bound
         assert st.win_start <= st.host_len <= req.kv.kv_committed_len
 

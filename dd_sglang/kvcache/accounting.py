@@ -25,11 +25,18 @@ class RuntimeHooks:
         on_rebuild: the number of tokens each REBUILD loaded back.
         on_unpin: called once per offload that found the device pool too full for its resident
             set and dropped the request's tree lock on its own prompt.
+        on_path_change: called with the reason (one of :data:`~dd_sglang.kvcache.dualpath.PATH_CHANGE_REASONS`)
+            each time a request changes path: an offload that made it sparse (``length``,
+            ``pressure``), a new turn that rebuilds its full KV (``request``).
+        on_pressure_offload: called with the trigger (``admission`` or ``retraction``) of each
+            offload the ``pressure`` policy made (:mod:`dd_sglang.kvcache.pressure`).
     """
 
     on_transition: Callable[[PathState, PathState], None] | None = None
     on_rebuild: Callable[[int], None] | None = None
     on_unpin: Callable[[], None] | None = None
+    on_path_change: Callable[[str], None] | None = None
+    on_pressure_offload: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -40,11 +47,13 @@ class SlotTally:
         offloaded_tokens: tokens copied to the host tier by offloads.
         rebuilt_tokens: tokens loaded back from host prefix entries (REBUILD).
         reclaimed_slots: device slots given back (freed, or left to the radix tree as evictable cache).
+        pressure_offloads: offloads the ``pressure`` policy made (requests, not tokens).
     """
 
     offloaded_tokens: int = 0
     rebuilt_tokens: int = 0
     reclaimed_slots: int = 0
+    pressure_offloads: int = 0
 
 
 @dataclass

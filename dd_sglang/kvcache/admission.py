@@ -77,11 +77,14 @@ class Admission:
             over = self.overrides(req)
             # dd_sparse false: no context is long enough to leave the dense path.
             min_len = self.params.min_sparse_len if over.get("sparse", True) else DENSE_ONLY
+            policy = over.get("policy", self.params.policy)
             on_transition = self.hooks.on_transition
-            path = DualPath(req.rid, n, min_len, on_transition)
+            path = DualPath(req.rid, n, min_len, on_transition, policy)
             if req.rid in table.rebuilt:
                 table.rebuilt.discard(req.rid)
-                path = DualPath.starting_in(S.REBUILD, req.rid, min_len, on_transition)
+                path = DualPath.starting_in(S.REBUILD, req.rid, min_len, on_transition, policy)
+                if self.hooks.on_path_change is not None:  # the new turn brings its full KV back
+                    self.hooks.on_path_change("request")
             st = SparseRequest(
                 req.rid,
                 path,
@@ -125,9 +128,10 @@ class Admission:
         context reaches ``min_sparse_len`` goes sparse right after its prefill (before its second
         token), and then never holds more than ``resident_bound`` slots: that bound is reserved.
         None (SGLang's figure stands) for a request that stays dense (shorter, or
-        ``custom_params.dd_sparse`` false, or invalid overrides, which SGLang rejects anyway) and
-        when the host tier cannot take its whole context and generation beside the rest of every
-        sparse request's.
+        ``custom_params.dd_sparse`` false, or under the ``pressure`` policy, which keeps it dense
+        after its prefill unless :mod:`~dd_sglang.kvcache.pressure` admits it as a sparse one, or
+        invalid overrides, which SGLang rejects anyway) and when the host tier cannot take its
+        whole context and generation beside the rest of every sparse request's.
         """
         n = len(req.origin_input_ids) + len(req.output_ids)
         try:
@@ -135,6 +139,8 @@ class Admission:
         except ValueError:
             return None
         if n < self.params.min_sparse_len or not over.get("sparse", True):
+            return None
+        if over.get("policy", self.params.policy) != "always" and req.rid not in self.table.pressure_marked:
             return None
         if not self.host_takes(n + max_new):
             return None
@@ -145,13 +151,21 @@ class Admission:
         tokens more than the rest of every sparse request's generation (whole pages each). False
         when a sparse request's ``max_new_tokens`` is unknown."""
         page = self.params.page_size
-        need = -(-extra // page) * page
+        room = self.host_room()
+        return room is not None and -(-extra // page) * page <= room
+
+    def host_room(self) -> int | None:
+        """Host-tier slots (free plus finished entries it may evict) left after the rest of every
+        sparse request's generation (whole pages each); None when a sparse request's
+        ``max_new_tokens`` is unknown."""
+        page = self.params.page_size
+        need = 0
         for other in self.table.sparse_requests():
             left = tokens_left(other.req)
             if left is None:
-                return False
+                return None
             need += -(-left // page) * page
-        return need <= self.prefixes.host.available_size() + self.prefixes.tokens()
+        return self.prefixes.host.available_size() + self.prefixes.tokens() - need
 
 
 def tokens_left(req) -> int | None:

@@ -22,6 +22,18 @@ State diagram (DESIGN.md, "DualPath"; the arrows are the only legal transitions)
   full attention needs is loaded back, in chunks.
 * ``FINISHED``: terminal; every resource has been released.
 
+When a long request leaves ``DENSE`` / ``PREFILL_FULL`` for ``OFFLOADING`` depends on its policy
+(:data:`PATH_POLICIES`, the preset's ``sparse.policy`` or the request's ``custom_params.dd_policy``):
+
+* ``always``: as soon as its context reaches ``min_sparse_len`` (:meth:`DualPath.wants_sparse`);
+  the path change's reason is ``length``.
+* ``pressure``: it stays ``DENSE`` past ``min_sparse_len`` (``PREFILL_FULL -> DENSE`` after its
+  prefill) and is only *eligible* (:meth:`DualPath.may_go_sparse`); the runtime moves it
+  ``DENSE -> PREFILL_FULL -> OFFLOADING -> DECODE_SPARSE`` when SGLang needs its device KV for other
+  work (:mod:`dd_sglang.kvcache.pressure`); the reason is ``pressure``. A sparse request stays
+  sparse when the pressure leaves (its full KV is rebuilt only by a new turn, ``REBUILD``, whose
+  reason is ``request``).
+
 A transition not in :data:`TRANSITIONS` raises :class:`IllegalTransition` and
 changes nothing. Every legal transition is logged at debug level and reported
 to the ``on_transition(src, dst)`` callback (the plugin counts them in
@@ -60,6 +72,13 @@ TRANSITIONS: dict[PathState, frozenset[PathState]] = {
 }
 
 
+#: Path policies: when a request at or past ``min_sparse_len`` leaves the dense path (module docstring).
+PATH_POLICIES = ("always", "pressure")
+#: Why a request changed path (module docstring): its length (``always``), the device's need for
+#: its KV (``pressure``), or the request itself (a new turn rebuilds its full KV).
+PATH_CHANGE_REASONS = ("length", "pressure", "request")
+
+
 class IllegalTransition(ValueError):
     """A transition outside :data:`TRANSITIONS` was requested."""
 
@@ -75,44 +94,56 @@ class DualPath:
         context_len: tokens in the request's context at admission (>= 0).
         min_sparse_len: contexts shorter than this stay ``DENSE`` (tokens, >= 1).
         on_transition: called as ``on_transition(src, dst)`` after each legal transition.
+        policy: one of :data:`PATH_POLICIES` (module docstring); default ``always``.
 
     Raises:
-        ValueError: ``context_len`` < 0 or ``min_sparse_len`` < 1.
+        ValueError: ``context_len`` < 0, ``min_sparse_len`` < 1, or ``policy`` not in
+            :data:`PATH_POLICIES` (the message names the field and the allowed values).
     """
 
-    __slots__ = ("rid", "min_sparse_len", "state", "history", "_on_transition")
+    __slots__ = ("rid", "min_sparse_len", "policy", "state", "history", "_on_transition")
 
     def __init__(
-        self, rid: str, context_len: int, min_sparse_len: int, on_transition: TransitionCallback | None = None
-    ):
+        self, rid: str, context_len: int, min_sparse_len: int, on_transition: TransitionCallback | None = None,
+        policy: str = "always",
+    ):  # fmt: skip
         if context_len < 0:
             raise ValueError(f"context_len must be >= 0, got {context_len}")
         if min_sparse_len < 1:
             raise ValueError(f"min_sparse_len must be >= 1, got {min_sparse_len}")
+        if policy not in PATH_POLICIES:
+            raise ValueError(f"policy must be one of {list(PATH_POLICIES)}, got {policy!r}")
         self.rid = rid
         self.min_sparse_len = min_sparse_len
+        self.policy = policy
         self.state = S.DENSE if context_len < min_sparse_len else S.PREFILL_FULL
         self.history: list[PathState] = [self.state]
         self._on_transition = on_transition
 
     @classmethod
     def starting_in(
-        cls, state: PathState, rid: str, min_sparse_len: int, on_transition: TransitionCallback | None = None
-    ) -> DualPath:
+        cls, state: PathState, rid: str, min_sparse_len: int, on_transition: TransitionCallback | None = None,
+        policy: str = "always",
+    ) -> DualPath:  # fmt: skip
         """A path that starts in ``state`` (``REBUILD`` for a new turn whose prefix is host-only).
 
         Raises:
-            ValueError: ``state`` is ``FINISHED`` or ``min_sparse_len`` < 1.
+            ValueError: ``state`` is ``FINISHED``, ``min_sparse_len`` < 1 or ``policy`` unknown.
         """
         if state is S.FINISHED:
             raise ValueError("a DualPath cannot start FINISHED")
-        path = cls(rid, 0, min_sparse_len, on_transition)
+        path = cls(rid, 0, min_sparse_len, on_transition, policy)
         path.state = state
         path.history = [state]
         return path
 
     def wants_sparse(self, context_len: int) -> bool:
-        """True when a context of ``context_len`` tokens belongs on the sparse path."""
+        """True when a context of ``context_len`` tokens goes sparse by its length alone (policy ``always``)."""
+        return self.policy == "always" and context_len >= self.min_sparse_len
+
+    def may_go_sparse(self, context_len: int) -> bool:
+        """True when a context of ``context_len`` tokens may leave the dense path (``>= min_sparse_len``):
+        by length under ``always``, when the device needs its KV under ``pressure``."""
         return context_len >= self.min_sparse_len
 
     def can(self, dst: PathState) -> bool:

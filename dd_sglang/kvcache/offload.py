@@ -111,8 +111,11 @@ class Offloader:
             score += k_buf[slots].float().norm(dim=-1).sum(dim=-1).cpu()
         return torch.sort(score.topk(n).indices + lo).values
 
-    def offload(self, req, st: SparseRequest, tree_cache) -> bool:
+    def offload(self, req, st: SparseRequest, tree_cache, reason: str = "length") -> bool:
         """PREFILL_FULL -> OFFLOADING -> DECODE_SPARSE for ``req`` (see the module docstring).
+
+        ``reason``: why it leaves the dense path (``length`` or ``pressure``), reported to
+        ``hooks.on_path_change`` when it does.
 
         Returns True when the request is now sparse; False when it stays ``DENSE``
         (host tier full, or no device slots for the resident copies), KV untouched.
@@ -158,6 +161,8 @@ class Offloader:
         self.tally.offloaded_tokens += L
         self.tally.reclaimed_slots += L - int(resident.numel())
         st.path.to(S.DECODE_SPARSE)
+        if self.hooks.on_path_change is not None:
+            self.hooks.on_path_change(reason)
         return True
 
     def _release_outside(self, req, row: torch.Tensor, row_view: torch.Tensor, resident: torch.Tensor,

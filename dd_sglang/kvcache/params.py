@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 import psutil
 
 from dd_sglang.config import DDConfig
+from dd_sglang.kvcache.dualpath import PATH_POLICIES
 
 #: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
 #: 10 GiB free (``pool_host/base.py``: ``HICACHE_HOST_MEMORY_RESERVE_BYTES``), a margin
@@ -49,6 +50,9 @@ class SparseParams:
             besides ``selector``; None: every one (:meth:`request_selector_names`).
         request_max_top_k: largest ``custom_params.dd_top_k`` a request may ask; None: the
             schema's 1,000,000 (:attr:`request_top_k_max`).
+        policy: when a request at or past ``min_sparse_len`` leaves the dense path, one of
+            :data:`PATH_POLICIES`: ``always`` (at that length) or ``pressure`` (only when its device
+            KV is needed for other work: :mod:`dd_sglang.kvcache.pressure`).
     """
 
     min_sparse_len: int
@@ -61,6 +65,7 @@ class SparseParams:
     selector: str
     request_selectors: tuple[str, ...] | list[str] | None = None
     request_max_top_k: int | None = None
+    policy: str = "always"
 
     @classmethod
     def from_config(cls, cfg: DDConfig, **changes) -> SparseParams:
@@ -96,6 +101,7 @@ OVERRIDE_SELECTOR = "dd_selector"
 OVERRIDE_SPECULATOR = "dd_speculator"
 OVERRIDE_MISS_POLICY = "dd_miss_policy"
 OVERRIDE_SPARSE = "dd_sparse"
+OVERRIDE_POLICY = "dd_policy"
 MISS_POLICIES = ("verify", "use_prefetched")
 #: Overrides a request may give only where the preset sets ``experimental.request_overrides: true``.
 EXPERIMENT_OVERRIDES = (OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY)
@@ -110,8 +116,9 @@ def request_overrides(
     experimental: bool = False,
 ) -> dict:
     """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
-    "miss_policy": str, "sparse": bool}`` (keys present only). ``dd_sparse: false`` keeps a request
-    on the dense path whatever its length (an exact answer, or a dense reference beside sparse ones).
+    "miss_policy": str, "sparse": bool, "policy": str}`` (keys present only). ``dd_sparse: false`` keeps a
+    request on the dense path whatever its length (an exact answer, or a dense reference beside sparse
+    ones); ``dd_policy`` (one of :data:`PATH_POLICIES`) replaces the preset's ``sparse.policy`` for it.
 
     Args:
         custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None; anything else
@@ -136,7 +143,8 @@ def request_overrides(
         raise ValueError(
             f"custom_params must be a JSON object such as {{\"{OVERRIDE_TOP_K}\": 256}}, got {type(custom_params).__name__}"
         )
-    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE)
+    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE,
+             OVERRIDE_POLICY)  # fmt: skip
     for key in custom_params:
         if isinstance(key, str) and key.lower().startswith("dd_") and key not in known:
             raise ValueError(
@@ -162,6 +170,7 @@ def request_overrides(
         (OVERRIDE_SELECTOR, "selector", selectors),
         (OVERRIDE_SPECULATOR, "speculator", speculators),
         (OVERRIDE_MISS_POLICY, "miss_policy", MISS_POLICIES),
+        (OVERRIDE_POLICY, "policy", PATH_POLICIES),
     ):
         if key in custom_params:
             v = custom_params[key]

@@ -116,6 +116,8 @@ class RequestTable:
         kv_len: rid -> positions with KV after the last batch.
         just_released: tracked rids released during the current batch.
         rebuilt: rids whose prefix a REBUILD just loaded (their path starts in ``REBUILD``).
+        pressure_marked: rids admitted under the ``pressure`` policy as requests that go sparse right
+            after their prefill (:mod:`dd_sglang.kvcache.pressure`); dropped then, or on release.
     """
 
     def __init__(self) -> None:
@@ -124,6 +126,7 @@ class RequestTable:
         self.kv_len: dict[str, int] = {}
         self.just_released: set[str] = set()
         self.rebuilt: set[str] = set()
+        self.pressure_marked: set[str] = set()
         self._release_listeners: list[Callable[[str], None]] = []
 
     def sparse_request(self, pool_idx: int) -> SparseRequest | None:
@@ -173,6 +176,7 @@ class RequestTable:
         st = self.requests.pop(rid, None)
         self.kv_len.pop(rid, None)
         self.rebuilt.discard(rid)
+        self.pressure_marked.discard(rid)
         if st is None:
             return None
         for fn in self._release_listeners:

@@ -39,9 +39,15 @@ Life of a long request (``len(prompt) >= min_sparse_len``):
 The work is split by concept: :mod:`~dd_sglang.kvcache.sparse_request` (per-request
 bookkeeping, the request table), :mod:`~dd_sglang.kvcache.admission` (tracking, overrides,
 what SGLang's admission reserves), :mod:`~dd_sglang.kvcache.offload` (the device <-> host
-moves), :mod:`~dd_sglang.kvcache.host_entries` (the host prefix cache) and
-:mod:`~dd_sglang.kvcache.accounting` (callbacks, counters, published bytes). This class
-wires them once and runs the per-batch lifecycle.
+moves), :mod:`~dd_sglang.kvcache.host_entries` (the host prefix cache),
+:mod:`~dd_sglang.kvcache.pressure` (the ``pressure`` policy's offloads, called from SGLang's
+admission and retraction) and :mod:`~dd_sglang.kvcache.accounting` (callbacks, counters,
+published bytes). This class wires them once and runs the per-batch lifecycle.
+
+Under the ``pressure`` policy (``sparse.policy`` or ``custom_params.dd_policy``) step 2 does not
+follow step 1 by itself: the request stays ``DENSE`` after its prefill, and is offloaded only
+when SGLang's admission or retraction needs its device slots (:mod:`~dd_sglang.kvcache.pressure`),
+or right after its prefill when it was admitted as one that goes sparse.
 
 If the host tier cannot take a request (after evicting finished entries),
 or the device cannot give the few slots the resident set needs, the request
@@ -63,6 +69,7 @@ from dd_sglang.kvcache.host_entries import REBUILD_CHUNK_TOKENS, HostEntry, Host
 from dd_sglang.kvcache.host_pool import HostSparseKVPool
 from dd_sglang.kvcache.offload import DeviceSlots, Offloader
 from dd_sglang.kvcache.params import SparseParams
+from dd_sglang.kvcache.pressure import PressureRelief
 from dd_sglang.kvcache.sparse_request import DENSE_ONLY, RequestTable, SparseRequest
 
 __all__ = ["DENSE_ONLY", "REBUILD_CHUNK_TOKENS", "HostEntry", "SparseRequest", "SparseRuntime"]
@@ -85,6 +92,10 @@ class SparseRuntime:
         on_rebuild: called with the number of tokens each REBUILD loaded back (metrics).
         on_unpin: called once per offload that found the device pool too full for its resident
             set and dropped the request's tree lock on its own prompt (metrics).
+        on_path_change: called with the reason of each path change (``length``, ``pressure``,
+            ``request``; metrics).
+        on_pressure_offload: called with the trigger (``admission``, ``retraction``) of each
+            offload the ``pressure`` policy made (metrics).
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
         speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
         speculator: the preset's speculator (``experimental.speculator``).
@@ -97,6 +108,7 @@ class SparseRuntime:
         prefixes: finished requests' host pages (:class:`HostPrefixEntries`).
         admission: tracking and admission answers (:class:`Admission`).
         offloader: the device <-> host moves (:class:`Offloader`).
+        pressure: the ``pressure`` policy's offloads (:class:`~dd_sglang.kvcache.pressure.PressureRelief`).
         hooks, tally, buffers: metric callbacks, counters, and the bytes the attention backend
             publishes each decode step (:mod:`dd_sglang.kvcache.accounting`).
 
@@ -114,6 +126,8 @@ class SparseRuntime:
         on_transition: Callable[[PathState, PathState], None] | None = None,
         on_rebuild: Callable[[int], None] | None = None,
         on_unpin: Callable[[], None] | None = None,
+        on_path_change: Callable[[str], None] | None = None,
+        on_pressure_offload: Callable[[str], None] | None = None,
         selectors: tuple[str, ...] = ("oracle",),
         speculators: tuple[str, ...] = ("none",),
         speculator: str = "none",
@@ -134,7 +148,7 @@ class SparseRuntime:
             page_size=params.page_size,
             pin_memory=True,
         )
-        self.hooks = RuntimeHooks(on_transition, on_rebuild, on_unpin)
+        self.hooks = RuntimeHooks(on_transition, on_rebuild, on_unpin, on_path_change, on_pressure_offload)
         self.tally = SlotTally()
         self.buffers = DecodeBuffers()
         self.table = RequestTable()
@@ -143,6 +157,7 @@ class SparseRuntime:
         self.admission = Admission(params, limits, self.table, self.prefixes, self.hooks)
         device = DeviceSlots(device_pool, allocator, req_to_token)
         self.offloader = Offloader(params, device, self.prefixes, self.table, self.tally, self.hooks)
+        self.pressure = PressureRelief(params, self.table, self.admission, self.offloader, self.tally, self.hooks)
 
     # ------------------------------------------------------------------ names kept from one class
     requests = property(lambda self: self.table.requests, doc="rid -> :class:`SparseRequest`.")
@@ -151,6 +166,7 @@ class SparseRuntime:
     offloaded_tokens = property(lambda self: self.tally.offloaded_tokens, doc="Tokens offloaded, cumulative.")
     rebuilt_tokens = property(lambda self: self.tally.rebuilt_tokens, doc="Tokens rebuilt, cumulative.")
     reclaimed_slots = property(lambda self: self.tally.reclaimed_slots, doc="Device slots given back.")
+    pressure_offloads = property(lambda self: self.tally.pressure_offloads, doc="Offloads made for pressure.")
 
     @property
     def on_transition(self):
@@ -229,6 +245,7 @@ class SparseRuntime:
                     path = self.admission.track(req).path
                     table.requests.pop(req.rid, None)
                     table.rebuilt.discard(req.rid)
+                    table.pressure_marked.discard(req.rid)
                     if path.state is S.REBUILD:
                         path.to(S.PREFILL_FULL)
                     path.to(S.FINISHED)
@@ -242,9 +259,14 @@ class SparseRuntime:
                 continue
             table.kv_len[req.rid] = int(req.kv.kv_committed_len)
             if st.path.state is S.PREFILL_FULL:
-                if st.path.wants_sparse(int(req.kv.kv_committed_len)):
+                kv_len = int(req.kv.kv_committed_len)
+                marked = req.rid in table.pressure_marked
+                table.pressure_marked.discard(req.rid)
+                if st.path.wants_sparse(kv_len):
                     self.offloader.offload(req, st, tree_cache)
-                else:  # a reloaded prefix of a request that asked to stay dense (dd_sparse false)
+                elif marked and st.path.may_go_sparse(kv_len):  # admitted as a sparse one (pressure)
+                    self.pressure.offload(req, tree_cache, "admission")
+                else:  # policy pressure with room, or dd_sparse false (a reloaded prefix of one)
                     st.path.to(S.DENSE)
         table.just_released.clear()
         return self.tally.reclaimed_slots - before
@@ -276,6 +298,17 @@ class SparseRuntime:
                 self.offloader.offload(req, st, tree_cache)
         self.table.just_released.clear()
         return self.tally.reclaimed_slots - before
+
+    # ------------------------------------------------------------------ pressure
+    def admission_may_reopen(self, running_reqs) -> bool:
+        """Whether a running request could be offloaded for a waiting one (``pressure`` policy): then
+        SGLang's closed admission (``batch_is_full``) is worth trying again."""
+        return self.pressure.has_candidates(running_reqs)
+
+    def sparse_reservation(self, max_new: int) -> int:
+        """Device slots to reserve for the generation of a request admitted as one that goes sparse
+        after its prefill (``max_new``: SGLang's figure, tokens)."""
+        return min(max_new, self.params.resident_bound)
 
     # ------------------------------------------------------------------ release
     def free_request_slots(self, kv, ranges: list[tuple[int, int]]) -> bool:

@@ -89,6 +89,23 @@ DUALPATH_TRANSITIONS = Counter(
     "(device pool full) counts as `to=FINISHED` and starts again, as a new request, when it is prefilled anew.",
     ["from", "to"],
 )
+#: Why a request changed path (``dd_sglang.kvcache.dualpath.PATH_CHANGE_REASONS``).
+PATH_CHANGE_REASONS = ("length", "pressure", "request")
+#: What made the pressure policy offload (``dd_sglang.kvcache.pressure.TRIGGERS``).
+PRESSURE_TRIGGERS = ("admission", "retraction")
+DUALPATH_PATH_CHANGES = Counter(
+    "dd_dualpath_path_changes",
+    "Requests that changed KV path, by reason: length (went sparse when its context reached "
+    "sparse.min_sparse_len, policy always), pressure (offloaded because SGLang needed its device KV for other "
+    "work, policy pressure), request (a new turn on a sparse request rebuilt its full KV).",
+    ["reason"],
+)
+PRESSURE_OFFLOADS = Counter(
+    "dd_pressure_offloads",
+    "Requests the pressure policy offloaded to the host tier, by trigger: admission (a waiting request did not "
+    "fit the device pool) or retraction (the next decode step did not fit; SGLang would have retracted).",
+    ["trigger"],
+)
 SPARSE_DECODE_ROWS = Counter(
     "dd_sparse_decode_rows",
     "(request, layer) attention rows decoded on the sparse path by the dualdecoder backend.",
@@ -275,6 +292,8 @@ UNITS = {
     "dd_extend_query_rows_skipped": "(token, layer) query rows",
     "dd_host_tier_rebuilt_tokens": "tokens",
     "dd_offload_unpinned": "offloads",
+    "dd_dualpath_path_changes": "requests",
+    "dd_pressure_offloads": "requests",
     "dd_prefetch_hits": "critical-set slots (tokens per layer and KV head)",
     "dd_prefetch_lookups": "critical-set slots (tokens per layer and KV head)",
     "dd_prefetch_mass_prefetched": "softmax probability mass, summed over KV heads",
@@ -305,6 +324,8 @@ LABEL_VALUES = {
     "layer": "transformer layer index, 0 .. layers - 1",
     "phase": "decode step phase: plan, select, assemble, attention, select_ahead",
     "kind": "decode forward kind: sparse (had sparse rows) or dense",
+    "reason": "why a request changed path: " + ", ".join(PATH_CHANGE_REASONS),
+    "trigger": "what needed the device slots: " + ", ".join(PRESSURE_TRIGGERS),
 }
 
 #: How to read a series, beyond its help text (queries are PromQL).
@@ -319,6 +340,10 @@ READING = {
     "dd_dualpath_transitions": "rate(...) by (from, to). PREFILL_FULL -> DENSE counts requests the host "
     "tier could not take (they run densely, nothing is lost); REBUILD -> PREFILL_FULL counts new turns "
     "that reloaded a finished request's host pages.",
+    "dd_dualpath_path_changes": "rate(...) by (reason). Under sparse.policy pressure, reason length stays 0 and "
+    "pressure counts only the offloads load forced; at low load nothing changes path and every answer is dense's.",
+    "dd_pressure_offloads": "rate(...) by (trigger). trigger retraction means decode outgrew the pool: the "
+    "admission reservations (SGLang's new-token ratio) were too optimistic for the running dense requests.",
     "dd_prefetch_hits": "Hit rate = rate(dd_prefetch_hits_total) / rate(dd_prefetch_lookups_total), per "
     "(selector, speculator). Counted on sampled steps only (prefetch.hit_rate_sample of the decode steps): "
     "on such a step the real query's exact top-k per layer and KV head is computed and compared with the "

@@ -77,7 +77,7 @@ def sparse_snapshot(tree_cache) -> dict | None:
     ``resident_tokens`` (device slots of sparse requests), ``request_device_tokens_max``,
     ``critical_buffer_bytes``, ``ring_buffer_bytes`` (the backend's layer ring),
     ``selector_aux_bytes`` (device selection state by selector), ``host_index_bytes``, ``states`` (requests by DualPath state), ``offloaded_tokens``,
-    ``rebuilt_tokens``, ``host_bytes_per_token``.
+    ``rebuilt_tokens``, ``pressure_offloads`` (offloads the pressure policy made), ``host_bytes_per_token``.
     """
     from dd_sglang.kvcache.radix import runtime_of
 
@@ -99,6 +99,7 @@ def sparse_snapshot(tree_cache) -> dict | None:
         "states": rt.state_counts(),
         "offloaded_tokens": rt.offloaded_tokens,
         "rebuilt_tokens": rt.rebuilt_tokens,
+        "pressure_offloads": rt.pressure_offloads,
     }
 
 
