@@ -95,6 +95,10 @@ def create_dualdecoder_radix_cache(ctx):
             "--radix-cache-backend dualdecoder supports full-attention models only (no SWA/Mamba)"
         )
     cache = create_unified_radix_cache(ctx, cache_class=DualDecoderRadixCache)
+    if current_ranks().primary:
+        from dd_sglang.metrics.definitions import publish_policy_series
+
+        publish_policy_series()
     allocator = ctx.params.token_to_kv_pool_allocator
     ranks = current_ranks()
     cfg = current_config()

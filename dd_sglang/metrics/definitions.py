@@ -106,6 +106,18 @@ PRESSURE_OFFLOADS = Counter(
     "fit the device pool) or retraction (the next decode step did not fit; SGLang would have retracted).",
     ["trigger"],
 )
+
+
+def publish_policy_series() -> None:
+    """Create every ``reason`` of :data:`DUALPATH_PATH_CHANGES` and every ``trigger`` of
+    :data:`PRESSURE_OFFLOADS` at 0, so both series exist (and dashboards show 0) before the first
+    path change or pressure offload: a labelled counter has no sample until a label set is used."""
+    for reason in PATH_CHANGE_REASONS:
+        DUALPATH_PATH_CHANGES.labels(reason=reason)
+    for trigger in PRESSURE_TRIGGERS:
+        PRESSURE_OFFLOADS.labels(trigger=trigger)
+
+
 SPARSE_DECODE_ROWS = Counter(
     "dd_sparse_decode_rows",
     "(request, layer) attention rows decoded on the sparse path by the dualdecoder backend.",
