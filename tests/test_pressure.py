@@ -77,6 +77,10 @@ def test_victims_are_the_fewest_that_cover_the_need_largest_gain_first():
     assert choose_victims(cs, 651, 1000) is None  # all together fall short: nobody is offloaded
     assert choose_victims(cs, 0, 1000) == []
     assert choose_victims(cs, 10, None) is None  # host room unknown
+    # every: once the need is covered, all the host tier takes go too (the admission rule)
+    assert [c.rid for c in choose_victims(cs, 280, 1000, every=True)] == ["b", "c", "a"]
+    assert [c.rid for c in choose_victims(cs, 280, 40, every=True)] == ["b", "c"]  # 16 host slots each: "a" no longer fits
+    assert choose_victims(cs, 651, 1000, every=True) is None
 
 
 def test_victims_must_fit_the_host_tier_and_ties_go_to_the_longer_context():
@@ -194,7 +198,9 @@ def test_admission_offloads_a_running_dense_request_so_the_waiting_one_fits():
     assert alloc.available_size() == 377
     assert adder.memory_budget.total_offset == 8
     assert seen == {"changes": ["pressure"], "offloads": ["admission"]}
-    assert rt.pressure_offloads == 1 and "w" not in rt.table.pressure_marked
+    # Once pressure is met, every candidate goes, the waiting request included: it is admitted as
+    # one that goes sparse right after its prefill (one offload now, its own after the prefill).
+    assert rt.pressure_offloads == 1 and "w" in rt.table.pressure_marked
     assert not rt.admission_may_reopen([a])
 
 

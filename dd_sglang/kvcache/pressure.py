@@ -22,9 +22,14 @@ admission and retraction call in, through two hooks (``patches/``):
    candidates one at a time until SGLang's own check passes, so nothing is retracted when offloads
    can make the room.
 
-**Victims** (:func:`choose_victims`): the fewest requests that cover the shortfall, largest gain
-first (ties: the longer context, then the most decode left), so as few requests as possible lose
-exactness. Each must fit the host tier beside the rest of every sparse request's generation.
+**Victims** (:func:`choose_victims`), largest gain first (ties: the longer context, then the most
+decode left), each fitting the host tier beside the rest of every sparse request's generation.
+At admission, once the shortfall can be covered, *every* candidate goes, the waiting request
+included: pressure means the batch needs the sparse path's capacity, and a dense long row left
+among sparse ones sets the step's cost (measured on the 2-core AMD EPYC host with the fewest
+rule: one 4k request left dense among 7 sparse halved the batch's output tokens/s,
+``bench/results/admission_policies_amd_epyc_cpu.json``). Requests admitted while the pool has room
+stay dense. At retraction, candidates go one at a time until the step fits.
 
 **Back to exact**: a request made sparse stays sparse until it finishes (a new turn rebuilds its
 full KV, ``REBUILD``, as for any sparse request).
@@ -77,13 +82,16 @@ class Candidate:
     req: object = None
 
 
-def choose_victims(candidates: Iterable[Candidate], need: int, host_room: int | None) -> list[Candidate] | None:
-    """The requests to make sparse so ``need`` device slots are gained: the fewest, largest gain first.
+def choose_victims(candidates: Iterable[Candidate], need: int, host_room: int | None,
+                   every: bool = False) -> list[Candidate] | None:  # fmt: skip
+    """The requests to make sparse so ``need`` device slots are gained: the fewest, largest gain
+    first; with ``every``, once ``need`` is covered, every other candidate the host tier takes too.
 
     Args:
         candidates: what may be made sparse (:class:`Candidate`).
         need: device slots (tokens) the waiting work lacks; ``<= 0`` needs no one.
         host_room: host-tier slots free for new sparse requests (None: unknown, nobody fits).
+        every: take all that fit once ``need`` is covered (the admission rule, module docstring).
 
     Returns:
         The chosen candidates in offload order (gain descending; ties: longer context, then more
@@ -103,9 +111,9 @@ def choose_victims(candidates: Iterable[Candidate], need: int, host_room: int | 
         chosen.append(c)
         host_room -= c.host_tokens
         gained += c.gain
-        if gained >= need:
+        if gained >= need and not every:
             return chosen
-    return None
+    return chosen if gained >= need else None
 
 
 class PressureRelief:
@@ -220,15 +228,15 @@ class PressureRelief:
     def plan_admission(self, running: Iterable, reserve_of: Callable[[object], float], req, max_new: int,
                        need: int) -> list[Candidate] | None:  # fmt: skip
         """Whom to make sparse so request ``req`` (being admitted, ``max_new`` tokens reserved for its
-        generation) fits a prefill budget ``need`` device slots short (:func:`choose_victims` over the
-        running candidates and ``req`` itself); None when nothing can make it fit."""
+        generation) fits a prefill budget ``need`` device slots short (:func:`choose_victims` with
+        ``every`` over the running candidates and ``req`` itself); None when nothing can make it fit."""
         cands = self.candidates(running, reserve_of)
         own = self.waiting_candidate(req, max_new)
         if own is not None:
             cands.append(own)
         if not cands:
             return None
-        return choose_victims(cands, need, self.admission.host_room())
+        return choose_victims(cands, need, self.admission.host_room(), every=True)
 
     def relieve_admission(self, adder, req, max_new: int, total_tokens: float, refused: tuple,
                           check: Callable[[float], tuple]) -> tuple:  # fmt: skip

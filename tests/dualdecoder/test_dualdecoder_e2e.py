@@ -29,6 +29,7 @@ from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
 
 from .conftest import CAP
+from .fanout import run_at_once_sampled
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
@@ -443,28 +444,7 @@ def test_capacity_8_concurrent_2k_requests(dd_server, tokenizer):
     )
     flush_when_idle(dd_server)
     before = metrics(dd_server)
-    samples: list[dict] = []
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            samples.append(metrics(dd_server))
-            time.sleep(0.2)
-
-    results: list[dict | None] = [None] * 8
-
-    def run(i):
-        results[i] = complete(dd_server, prompts[i][0], 16)
-
-    poller = threading.Thread(target=sample)
-    poller.start()
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    done.set()
-    poller.join()
+    results, samples = run_at_once_sampled(dd_server, [lambda p=p: complete(dd_server, p, 16) for p, _ in prompts])
     for k, body in zip(keys, results, strict=True):
         assert body is not None
         assert re.match(rf"\s*{k}\b", body["choices"][0]["text"]), (k, body["choices"][0]["text"])

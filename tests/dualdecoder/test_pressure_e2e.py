@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 import httpx
 import pytest
@@ -24,6 +23,7 @@ from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, wait_idle
 
 from .conftest import CAP
+from .fanout import run_at_once_sampled
 
 pytestmark = pytest.mark.server
 PROMPT_TARGET = 2100  # passkey_prompt size target: ~1,980 tokens (past min_sparse_len 1,024)
@@ -89,33 +89,15 @@ def test_low_load_pressure_requests_stay_dense_and_match_dense_tokens(dd_server,
 
 def test_under_load_all_are_admitted_and_some_go_sparse_for_pressure(dd_server, prompts):
     """4 ~2k pressure requests (max_tokens 64, ignore_eos) in a pool that holds 2 densely: all 4 are
-    admitted at once (sampled from the sidecar), 2 or 3 are offloaded with reason ``pressure`` (the
-    first two fill the pool; each later one needs the room of running ones), none for ``length``,
+    admitted at once (sampled from the sidecar), 2 to 4 change path with reason ``pressure`` (the
+    first two fill the pool; the next one's admission makes every long request there sparse, itself
+    included after its prefill, depending on when each arrives), none for ``length``,
     every answer starts with its pass key, and accounting is back at the idle baseline after."""
     base = flush_when_idle(dd_server)
     assert base["dd_device_kv_used_bytes"] == 0 and base["dd_host_tier_used_bytes"] == 0
-    samples: list[dict] = []
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            samples.append(scrape(dd_server.metrics_url))
-            time.sleep(0.2)
-
-    results: list[dict | None] = [None] * 4
-
-    def run(i):
-        results[i] = complete(dd_server, prompts[i][0], 64, PRESSURE, ignore_eos=True)
-
-    poller = threading.Thread(target=sample)
-    poller.start()
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    done.set()
-    poller.join()
+    results, samples = run_at_once_sampled(
+        dd_server, [lambda p=p: complete(dd_server, p, 64, PRESSURE, ignore_eos=True) for p, _ in prompts]
+    )
     for (_, key), body in zip(prompts, results, strict=True):
         assert body is not None and body["usage"]["completion_tokens"] == 64
         assert re.match(rf"\s*{key}\b", body["choices"][0]["text"]), (key, body["choices"][0]["text"])
@@ -124,7 +106,7 @@ def test_under_load_all_are_admitted_and_some_go_sparse_for_pressure(dd_server, 
     after = wait_idle(dd_server)
     changes = {r: after_n - before_n for (r, after_n), before_n in
                zip(path_changes(after).items(), path_changes(base).values(), strict=True)}  # fmt: skip
-    assert 2 <= changes["pressure"] <= 3 and changes["length"] == 0, changes
+    assert 2 <= changes["pressure"] <= 4 and changes["length"] == 0, changes
     assert delta(after, base, 'dd_pressure_offloads_total{trigger="admission"}') >= 2
     assert max(admitted(s) for s in samples) == 4, "the 4 requests were never admitted at once"
     assert after["dd_device_kv_used_bytes"] == after["dd_device_kv_evictable_bytes"]
