@@ -28,7 +28,7 @@ At admission, once the shortfall can be covered, *every* candidate goes, the wai
 included: pressure means the batch needs the sparse path's capacity, and a dense long row left
 among sparse ones sets the step's cost (measured on the 2-core AMD EPYC host with the fewest
 rule: one 4k request left dense among 7 sparse halved the batch's output tokens/s,
-``bench/results/admission_policies_amd_epyc_cpu.json``). Requests admitted while the pool has room
+``bench/results/admission_policies_fewest_amd_epyc_cpu.json``). Requests admitted while the pool has room
 stay dense. At retraction, candidates go one at a time until the step fits.
 
 **Back to exact**: a request made sparse stays sparse until it finishes (a new turn rebuilds its
