@@ -1,4 +1,5 @@
-"""Send requests at once while sampling the sidecar: the package's concurrency checks share this."""
+"""What the package's concurrency checks share: requests sent at once while the sidecar is sampled,
+and the check that the pools are back at their baseline afterwards."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from bench.server import ServerProcess, scrape
+from bench.server import ServerProcess, flush_when_idle, scrape
 
 
 def run_at_once_sampled(srv: ServerProcess, calls: list[Callable[[], dict]], interval_s: float = 0.2):
@@ -36,3 +37,17 @@ def run_at_once_sampled(srv: ServerProcess, calls: list[Callable[[], dict]], int
     done.set()
     poller.join()
     return results, samples
+
+
+def assert_back_at_baseline(srv: ServerProcess, idle: dict[str, float], base: dict[str, float]) -> dict[str, float]:
+    """``idle`` (a scrape once no request is admitted): no request holds a device slot, the host tier
+    holds only the prefix cache, no sparse resident set. Then ``/flush_cache``: device and host use
+    are back at ``base`` (a scrape after a flush before the check), which must be 0. Returns the
+    scrape after the flush."""
+    assert idle["dd_device_kv_used_bytes"] == idle["dd_device_kv_evictable_bytes"]
+    assert idle["dd_host_tier_used_bytes"] == idle["dd_host_tier_prefix_cache_bytes"]
+    assert idle["dd_sparse_resident_bytes"] == 0
+    end = flush_when_idle(srv)
+    assert end["dd_device_kv_used_bytes"] == base["dd_device_kv_used_bytes"] == 0
+    assert end["dd_host_tier_used_bytes"] == base["dd_host_tier_used_bytes"] == 0
+    return end

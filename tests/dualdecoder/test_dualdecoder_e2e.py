@@ -29,7 +29,7 @@ from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
 
 from .conftest import CAP
-from .fanout import run_at_once_sampled
+from .fanout import assert_back_at_baseline, run_at_once_sampled
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M
@@ -604,12 +604,5 @@ def test_no_leaks_after_50_requests(dd_server, tokenizer):
     assert statuses.count(200) == 37
     assert statuses.count(400) == 5
     assert statuses.count(-1) == 8
-    idle = wait_idle(dd_server)
-    # Idle: no request holds a device slot; the host tier holds only the prefix cache.
-    assert idle["dd_device_kv_used_bytes"] == idle["dd_device_kv_evictable_bytes"]
-    assert idle["dd_host_tier_used_bytes"] == idle["dd_host_tier_prefix_cache_bytes"]
-    assert idle["dd_sparse_resident_bytes"] == 0
-    end = flush_when_idle(dd_server)
-    assert end["dd_device_kv_used_bytes"] == base["dd_device_kv_used_bytes"] == 0
-    assert end["dd_host_tier_used_bytes"] == base["dd_host_tier_used_bytes"] == 0
+    end = assert_back_at_baseline(dd_server, wait_idle(dd_server), base)
     assert end["dd_device_kv_capacity_bytes"] == base["dd_device_kv_capacity_bytes"]

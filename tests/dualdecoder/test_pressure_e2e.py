@@ -23,7 +23,7 @@ from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, wait_idle
 
 from .conftest import CAP
-from .fanout import run_at_once_sampled
+from .fanout import assert_back_at_baseline, run_at_once_sampled
 
 pytestmark = pytest.mark.server
 PROMPT_TARGET = 2100  # passkey_prompt size target: ~1,980 tokens (past min_sparse_len 1,024)
@@ -109,11 +109,7 @@ def test_under_load_all_are_admitted_and_some_go_sparse_for_pressure(dd_server, 
     assert 2 <= changes["pressure"] <= 4 and changes["length"] == 0, changes
     assert delta(after, base, 'dd_pressure_offloads_total{trigger="admission"}') >= 2
     assert max(admitted(s) for s in samples) == 4, "the 4 requests were never admitted at once"
-    assert after["dd_device_kv_used_bytes"] == after["dd_device_kv_evictable_bytes"]
-    assert after["dd_host_tier_used_bytes"] == after["dd_host_tier_prefix_cache_bytes"]
-    assert after["dd_sparse_resident_bytes"] == 0
-    end = flush_when_idle(dd_server)
-    assert end["dd_device_kv_used_bytes"] == 0 and end["dd_host_tier_used_bytes"] == 0
+    assert_back_at_baseline(dd_server, after, base)
 
 
 def test_aborts_during_pressure_offloads_leave_accounting_at_baseline(dd_server, prompts):
@@ -141,10 +137,4 @@ def test_aborts_during_pressure_offloads_leave_accounting_at_baseline(dd_server,
     for t in threads:
         t.join()
     assert sorted(codes) == [-1, -1, 32, 32]
-    idle = wait_idle(dd_server)
-    assert idle["dd_device_kv_used_bytes"] == idle["dd_device_kv_evictable_bytes"]
-    assert idle["dd_host_tier_used_bytes"] == idle["dd_host_tier_prefix_cache_bytes"]
-    assert idle["dd_sparse_resident_bytes"] == 0
-    end = flush_when_idle(dd_server)
-    assert end["dd_device_kv_used_bytes"] == base["dd_device_kv_used_bytes"] == 0
-    assert end["dd_host_tier_used_bytes"] == base["dd_host_tier_used_bytes"] == 0
+    assert_back_at_baseline(dd_server, wait_idle(dd_server), base)
