@@ -21,7 +21,8 @@ query's set at every layer), the same with ``dd_miss_policy: use_prefetched`` (u
 ``spec_host_exact+dual_token`` (every host key scored),
 ``spec_host+ngram``, ``spec_host+none``, ``recency``, ``quest_device``, ``host_sync``
 (``spec_host``'s int8 index and re-ranking of the real query at attention
-time: no prediction). ``--configs all`` runs every selector x
+time: no prediction); ``pressure`` (named only: the DualPath policy ``pressure``, under which a
+request stays dense while the pool holds it). ``--configs all`` runs every selector x
 speculator pair (selectors other than ``spec_host`` read no speculated token
 today, so those pairs repeat ``+none``). Each sparse configuration runs at
 ``dd_top_k`` = context / 8, / 16, / 32 (a *cell* is context x configuration x k).
@@ -33,7 +34,8 @@ today, so those pairs repeat ``+none``). Each sparse configuration runs at
   10's kind) or a 5-digit pass key alternately, depths spread evenly over
   5%-95%, window and answer fixed by seed ``1000 x context + i``; greedy, 12
   tokens, stop at a newline or period. Found = the answer occurs as a word in
-  the completion. Accuracy with a 95% Wilson interval. Also listed: trials the
+  the completion. Accuracy with a 95% Wilson interval, and the trials dense answers that the cell
+  does not (``vs_dense.lost``) and the reverse (``vs_dense.gained``). Also listed: trials the
   default configuration misses while ``oracle`` at the same k finds them.
 * *NLL*: per text, a window of ``context`` tokens, then ``--nll-tokens`` real
   next tokens teacher-forced **through the decode path**: the request's output
@@ -105,6 +107,10 @@ CONFIGS = {
     "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},
     "host_sync": {"dd_selector": "host_sync", "dd_speculator": "none"},
 }  # fmt: skip
+#: Configurations run only when named in ``--configs``: ``pressure`` is the DualPath policy that keeps a
+#: long request dense while the device pool holds it (issue 40); one request at a time in this
+#: :data:`CAP`-token pool, each should answer as dense does.
+EXTRA_CONFIGS = {"pressure": {"dd_policy": "pressure"}}
 CAP = 16384
 #: ``--dense full_top_k``: dense answers from the dualdecoder server itself, every candidate attended
 #: (token-identical to dense: tests/dualdecoder/test_dualdecoder_e2e.py), so each prompt is prefilled once in the run.
@@ -129,7 +135,7 @@ def parse_configs(arg: str | None) -> dict[str, dict]:
     """
     if not arg:
         return dict(CONFIGS)
-    known = {**all_configs(), **CONFIGS}
+    known = {**all_configs(), **CONFIGS, **EXTRA_CONFIGS}
     if arg == "all":
         return all_configs()
     out = {}
@@ -306,6 +312,8 @@ def summarize(args, contexts, fractions, texts, configs, trial_cases, dense, rec
                 nll = [r for r in mine if r["part"] == "nll"]
                 agr = [r for r in mine if r["part"] == "agreement"]
                 nf = sum(r["found"] for r in ret)
+                vs_dense = {"lost": [r["trial"] for r in ret if dense["retrieval"][(n, r["trial"])]["found"] and not r["found"]],
+                            "gained": [r["trial"] for r in ret if r["found"] and not dense["retrieval"][(n, r["trial"])]["found"]]}  # fmt: skip
                 lo, hi = wilson(nf, len(ret))
                 lp = [x for t in texts for r in nll if r["text"] == t for x in r["lp"]]
                 top1 = [x for r in nll for x in r["top1"]]
@@ -317,7 +325,8 @@ def summarize(args, contexts, fractions, texts, configs, trial_cases, dense, rec
                 cells.append({
                     "context": n, "config": name, "k": n // f, "fraction": f,
                     "retrieval": {"found": nf, "trials": len(ret), "accuracy": round(nf / len(ret), 4),
-                                  "ci_low": round(lo, 4), "ci_high": round(hi, 4)},
+                                  "ci_low": round(lo, 4), "ci_high": round(hi, 4), "vs_dense": vs_dense,
+                                  "same_as_dense": not vs_dense["lost"] and not vs_dense["gained"]},
                     "nll": {"tokens": len(lp), "mean": round(nll_mean, 5), "ratio_to_dense": round(nll_mean / d_nll, 5),
                             "delta_vs_dense": mean_ci(diffs), "top1": round(sum(top1) / len(top1), 4),
                             "sparse_rows": rows, "expected_sparse_rows": steps * n_layers,

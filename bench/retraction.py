@@ -4,6 +4,7 @@ Usage::
 
     python -m bench.retraction [--out bench/results/retraction_cpu.json] [--requests 3]
                                [--prompt-tokens 2000] [--new-tokens 48] [--interval 3]
+                               [--policy always|pressure]
 
 When its device pool cannot hold the next decode step, SGLang retracts running requests
 (``ScheduleBatch.retract_decode``, ``sglang/srt/managers/scheduler.py``): their KV is released and
@@ -18,6 +19,12 @@ transitions, whether each answer opens with its passkey, and the idle accounting
 KV used equal to the radix tree's evictable cache, host tier used equal to its prefix cache, no
 resident bytes, no request in any DualPath state). ``ok`` is true when all of these hold. JSON;
 nothing here is a timed test.
+
+``--policy pressure`` sends every request with ``custom_params.dd_policy: pressure`` (issue 40):
+with a pool that holds fewer of them densely than ``--requests``, admission offloads running dense
+requests to the host tier while SGLang retracts others, so retractions land before, during and
+after pressure offloads. Recorded besides: path changes by reason and pressure offloads by trigger
+(sidecar counter deltas); ``ok`` then also needs at least one pressure offload.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ def run(args) -> dict:
 
     def ask(i: int) -> None:
         body = {"model": "x", "prompt": prompts[i], "max_tokens": args.new_tokens, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+                "ignore_eos": True, **({"custom_params": {"dd_policy": args.policy}} if args.policy else {})}  # fmt: skip
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=3600)
         answers[i] = r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}: {r.text}"
 
@@ -85,14 +92,18 @@ def run(args) -> dict:
         shutdown = stop_backend("dualdecoder", srv, log)
     transitions = {k.split("{", 1)[1].rstrip("}"): int(v - before.get(k, 0.0)) for k, v in after.items()
                    if k.startswith("dd_dualpath_transitions_total{") and v - before.get(k, 0.0)}  # fmt: skip
+    grew = {k: int(v - before.get(k, 0.0)) for k, v in after.items()
+            if k.startswith(("dd_dualpath_path_changes_total{", "dd_pressure_offloads_total{"))}  # fmt: skip
+    pressure_offloads = sum(v for k, v in grew.items() if k.startswith("dd_pressure_offloads_total{"))
     found = [bool(re.match(rf"\s*{k}\b", a)) for k, a in zip(keys, answers, strict=True)]
     idle = _idle(after)
     retractions = text.count("Testing retraction.")
     errors = [line for line in text.splitlines() if "Traceback" in line][:5]
     ok = (all(found) and retractions > 0 and not errors and idle["device_kv_used_is_evictable_cache"]
           and idle["host_tier_used_is_prefix_cache"] and idle["resident_bytes"] == 0
-          and idle["requests_in_a_state"] == 0)  # fmt: skip
+          and idle["requests_in_a_state"] == 0 and (args.policy != "pressure" or pressure_offloads > 0))  # fmt: skip
     return {"ok": ok, "retractions_logged": retractions, "tracebacks": errors, "transitions": transitions,
+            "policy": args.policy, "path_changes_and_pressure_offloads": grew,
             "passkeys_found": sum(found), "answers": [a[:40] for a in answers], "idle_after": idle,
             "wall_seconds": round(wall, 1), "engine_start_seconds": round(srv.start_seconds, 1),
             "shutdown": shutdown}  # fmt: skip
@@ -102,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = long_request_parser("python -m bench.retraction", __doc__, "bench/results/retraction_cpu.json", 3, 2000)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--interval", type=int, default=3, help="SGLANG_TEST_RETRACT_INTERVAL (forward passes)")
+    ap.add_argument("--policy", choices=["always", "pressure"], default=None,
+                    help="custom_params.dd_policy of every request (default: the preset's)")
     args = ap.parse_args(argv)
     check_ranges(ap, args, (("requests", 1, 64), ("prompt_tokens", 256, 10**6), ("new_tokens", 1, 65536),
                             ("interval", 1, 10**6), ("max_total_tokens", 256, 10**7)))  # fmt: skip

@@ -116,6 +116,9 @@ def test_fidelity_quick_fields(quick_results):
         assert c["k"] == 1200 // 8
         r = c["retrieval"]
         assert r["trials"] == 2 and 0 <= r["ci_low"] <= r["accuracy"] <= r["ci_high"] <= 1
+        lost, gained = r["vs_dense"]["lost"], r["vs_dense"]["gained"]
+        assert r["found"] == d["retrieval"]["found"] - len(lost) + len(gained)
+        assert r["same_as_dense"] == (not lost and not gained)
         nll = c["nll"]
         assert nll["tokens"] == s["nll_tokens"] * len(s["texts"])
         assert nll["mean"] > 0 and nll["ratio_to_dense"] > 0 and _in_unit(nll["top1"])
