@@ -2,7 +2,7 @@
 
 What it computes is :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`
 (the PyTorch reference): per sparse row ``r``, KV head ``h`` and query position
-``s`` (0: the real token, then the speculated ones: ``S = StepPlan.positions``
+``s`` (0: the real token, then the speculated ones: ``S = StepPlan.layout.positions``
 positions, 2 with one speculated token), softmax attention of the
 ``G`` query heads of ``h``'s GQA group over the columns ``mask[r, s]`` marks in
 the row's slot of the layer ring (:mod:`dd_sglang.kvcache.layer_buffers`).
@@ -128,7 +128,7 @@ def paged_kv_indices(
 
     Args:
         mask: ``shape: [R, S, N], dtype: torch.bool``: columns each row's query position reads
-            (``StepPlan.mask``; ``S = StepPlan.positions``), the same for every KV head.
+            (``StepPlan.layout.mask``; ``S = StepPlan.layout.positions``), the same for every KV head.
         num_kv_heads: ``Hkv`` (>= 1).
         columns: column stride ``C`` of the paged K/V (the ring slot's column capacity), ``>= N``.
         indptr: optional ``[>= B + 1]`` int32 buffer to fill in place (``B = R x Hkv x S``).
@@ -251,7 +251,7 @@ class FlashInferSparseDecode:
         """Fill the index buffers for a step and plan FlashInfer's kernel.
 
         Args:
-            mask: ``[R, S, N]`` bool on :attr:`device` (``StepPlan.mask``).
+            mask: ``[R, S, N]`` bool on :attr:`device` (``StepPlan.layout.mask``).
             num_kv_heads: ``Hkv``; ``columns``: the K/V column stride (ring column capacity).
             dtype: q and K/V dtype (float16/bfloat16, :func:`flashinfer_supports`).
             group, head_dim: the GQA group and head dim; when None, the values an earlier
