@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from dd_sglang.kernels import native, native_build
-from dd_sglang.prefetch.index import QuantKeyIndex, row_blocks
+from dd_sglang.prefetch.index import QuantKeyIndex
 from dd_sglang.prefetch.runner import use_native_kernel
+from dd_sglang.prefetch.scoring import row_blocks
 from dd_sglang.prefetch.selectors import make_selector
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU selection kernel here: "

@@ -10,7 +10,7 @@ tensors. Building a plan:
 1. **Rows.** Each decode row whose request is ``DECODE_SPARSE`` is a sparse
    row. Its resident positions (sinks, kept tokens, window) become device slots
    ``layout.res_slots`` (padded, masked); its candidates (host-tier positions outside
-   the resident set) become :class:`~dd_sglang.prefetch.index.RowBlocks`.
+   the resident set) become :class:`~dd_sglang.prefetch.scoring.RowBlocks`.
 2. **Speculation.** Rows whose selector reads a speculated query verify last
    step's speculated token against the real one, then ask their speculator
    for the next; each proposal is appended to ``forward_batch.input_ids`` /
@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dd_sglang.prefetch.index import RowBlocks, row_blocks
 from dd_sglang.prefetch.plan_rows import (
     PlanRow,
     classify,
@@ -61,6 +60,7 @@ from dd_sglang.prefetch.plan_rows import (
     update_indexes,
 )
 from dd_sglang.prefetch.predictions import NextSets, PredictionStore, RequestPrediction
+from dd_sglang.prefetch.scoring import RowBlocks, row_blocks
 from dd_sglang.prefetch.selectors import Selector
 from dd_sglang.prefetch.speculators import Speculator
 from dd_sglang.prefetch.step_plan import (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dd_sglang.prefetch.index import RowBlocks
+from dd_sglang.prefetch.scoring import RowBlocks
 from dd_sglang.prefetch.selectors import Selector
 from dd_sglang.prefetch.speculators import SpecState
 
