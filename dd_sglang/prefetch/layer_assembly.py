@@ -60,12 +60,13 @@ class FastAssembly:
         if not fused or plan.exact.batch_rows:  # the fused kernel reads the resident set from the pool itself
             native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(),
                                                 slot_v.data_ptr(), rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
-        if rows.spec_dst.numel():
+        spec_kv = rows.spec
+        if spec_kv.dst.numel():
             for new, slot, dst in ((k3, slot_k, keys), (v3, slot_v, values)):
                 st = new.stride()
                 if new.dtype == slot.dtype and st[2] == 1 and st[1] == d and st[0] % d == 0:
-                    native_kernel.copy_rows_unchecked(new.data_ptr(), slot.data_ptr(), rows.spec_src(st[0] // d),
-                                                      rows.spec_dst, row_bytes)  # fmt: skip
+                    native_kernel.copy_rows_unchecked(new.data_ptr(), slot.data_ptr(), spec_kv.src(st[0] // d),
+                                                      spec_kv.dst, row_bytes)  # fmt: skip
                 else:
                     spec = plan.spec
                     dst[spec.rows, :, spec.cols] = new[spec.tokens].to(dst.dtype)
@@ -78,10 +79,10 @@ class FastAssembly:
     def attend(self, q3: torch.Tensor, out: torch.Tensor, scale: float, in_place_sets: tuple | None) -> None:
         """The fused C attention of every sparse row over the layer's ring slot, into ``out``
         (``[tokens, Hq, Dv]``); ``in_place_sets``: the layer's in-place critical sets, or None."""
-        rows = self.rows
+        f = self.rows.fused
         slot_k, slot_v, pool_k, pool_v = self.slot
-        native_kernel.sparse_attend(q3, rows.q_tok, slot_k, slot_v, rows.mask, out, rows.out_tok, scale,
-                                    (pool_k, pool_v, rows.res_slots), in_place_sets)  # fmt: skip
+        native_kernel.sparse_attend(q3, f.q_tok, slot_k, slot_v, f.mask, out, f.out_tok, scale,
+                                    (pool_k, pool_v, f.res_slots), in_place_sets)  # fmt: skip
 
     @staticmethod
     def scatter(plan, rows: LayerRows | None, o: torch.Tensor, out: torch.Tensor) -> None:

@@ -16,16 +16,17 @@ move instead of a chain of indexing, permuting and reshaping operations
   they go to (the real query of each row and each speculated position).
 * **Resident set.** ``res_src`` / ``res_dst``: device-pool rows (``[slots x
   Hkv, D]``) and ring-slot rows of columns ``[0, n_res)``.
-* **Speculated K/V.** ``spec_dst``: the ring-slot row of each speculated
+* **Speculated K/V.** ``spec.dst``: the ring-slot row of each speculated
   token's own column per KV head; its source row depends on the stride of
-  the layer's new K/V (:meth:`LayerRows.spec_src`).
+  the layer's new K/V (:meth:`SpecKVRows.src`; both in ``LayerRows.spec``).
 * **Fixed sets.** ``fixed_src`` ``[layers, m]``: host-tier rows (``[slots x
   Hkv, D]`` per layer) of the fixed rows' critical sets; ``fixed_dst``:
   their ring-slot rows (columns ``[n_res, n_res + k)``).
 * **Fused attention** (:func:`~dd_sglang.kernels.native.sparse_attend`): ``q_tok`` /
   ``out_tok`` ``[R, P]``, each query position's input token and output token (-1: no token
   rides there), the step's mask, contiguous, and ``res_slots`` ``[R, n_res]``, the device-pool
-  slots of the resident columns (the kernel reads them from the pool, not the ring).
+  slots of the resident columns (the kernel reads them from the pool, not the ring); together
+  ``LayerRows.fused``.
 * **Selection queries.** ``sel_rows``: per ahead group, rows of the layer's
   queries in the order :func:`~dd_sglang.prefetch.ahead_selection.selection_queries`
   returns them (``[n, Hkv x Q x G, D]``).
@@ -47,6 +48,36 @@ from dd_sglang.prefetch.plan import StepPlan
 
 
 @dataclass
+class SpecKVRows:
+    """Where the speculated tokens' own K/V go (module docstring, "Speculated K/V"); ``[n]`` int64:
+    ``dst`` the ring-slot row per token and KV head, ``token`` / ``head`` its token and KV head."""
+
+    dst: torch.Tensor
+    token: torch.Tensor
+    head: torch.Tensor
+    _src: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def src(self, token_stride: int) -> torch.Tensor:
+        """Source rows of the speculated K (or V) for new K/V whose token stride is ``token_stride``
+        rows of ``head_dim`` (``k3.stride(0) // head_dim``; heads ``head_dim`` apart)."""
+        src = self._src.get(token_stride)
+        if src is None:
+            src = self._src[token_stride] = self.token * token_stride + self.head
+        return src
+
+
+@dataclass(frozen=True)
+class FusedAttendRows:
+    """The fused attention's inputs (module docstring, "Fused attention"), contiguous CPU tensors:
+    ``q_tok`` / ``out_tok`` ``[R, P]`` int64, ``mask`` ``[R, P, N]`` bool, ``res_slots`` ``[R, n_res]`` int64."""
+
+    q_tok: torch.Tensor
+    out_tok: torch.Tensor
+    mask: torch.Tensor
+    res_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class LayerRows:
     """One step's flat row indices (module docstring); ``[n]`` int64 CPU tensors."""
 
@@ -55,23 +86,9 @@ class LayerRows:
     out_dst: torch.Tensor
     res_src: torch.Tensor
     res_dst: torch.Tensor
-    spec_dst: torch.Tensor
-    spec_token: torch.Tensor
-    spec_head: torch.Tensor
+    spec: SpecKVRows
     sel_rows: tuple[torch.Tensor, ...]
-    q_tok: torch.Tensor
-    out_tok: torch.Tensor
-    mask: torch.Tensor
-    res_slots: torch.Tensor
-    _spec_src: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def spec_src(self, token_stride: int) -> torch.Tensor:
-        """Source rows of the speculated K (or V) for new K/V whose token stride is ``token_stride``
-        rows of ``head_dim`` (``k3.stride(0) // head_dim``; heads ``head_dim`` apart)."""
-        src = self._spec_src.get(token_stride)
-        if src is None:
-            src = self._spec_src[token_stride] = self.spec_token * token_stride + self.spec_head
-        return src
+    fused: FusedAttendRows
 
 
 def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) -> LayerRows:
@@ -114,8 +131,9 @@ def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) 
         sel.append((query.view(n, 1, nq, 1) * hq + heads).flatten())  # [n, Hkv, Q, G]
     out_tok = torch.full((r, p), -1, dtype=torch.int64)
     out_tok[row, pos] = tok
-    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, spec_dst, spec_token, spec_head, tuple(sel),
-                     qidx.contiguous(), out_tok, plan.layout.mask.to("cpu").contiguous(), res.contiguous())  # fmt: skip
+    fused = FusedAttendRows(qidx.contiguous(), out_tok, plan.layout.mask.to("cpu").contiguous(), res.contiguous())
+    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, SpecKVRows(spec_dst, spec_token, spec_head),
+                     tuple(sel), fused)  # fmt: skip
 
 
 def fixed_rows(plan: StepPlan, hkv: int, slot_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
