@@ -50,7 +50,6 @@ the key indexes, the layer ring and the schedule.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -69,10 +68,8 @@ from dd_sglang.prefetch.layer_assembly import FastAssembly, fused_takes
 from dd_sglang.prefetch.layer_rows import fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, StepPlan, build_step_plan
-from dd_sglang.prefetch.predictions import PredictionStore
 from dd_sglang.prefetch.schedule import TransferSchedule
-from dd_sglang.prefetch.selectors import SELECTORS, make_selector
-from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
+from dd_sglang.prefetch.selectors import SELECTORS
 from dd_sglang.prefetch.verify import LayerVerification
 
 __all__ = ["PrefetchEvents", "SparseStepRunner", "use_native_kernel"]
@@ -94,26 +91,6 @@ def use_native_kernel(kernel: str) -> bool:
         raise RuntimeError(f"experimental.kernel: native, but the CPU selection kernel is unavailable "
                            f"({native_kernel.unavailable_reason()}); use auto or torch")  # fmt: skip
     return False
-
-
-def _plan_inputs(params: PrefetchParams, req_to_token: torch.Tensor, make_index, native: bool,
-                 seed: int) -> PlanInputs:  # fmt: skip
-    """The runner's :class:`PlanInputs`: one selector per name of :data:`SELECTORS` (the C kernel
-    where ``native``), one speculator per name of :data:`SPECULATORS`, a fresh prediction store,
-    the preset's miss policy, sampling and hit-rate settings, and a hit-rate sampling RNG seeded
-    with ``seed``."""
-    return PlanInputs(
-        req_to_token=req_to_token,
-        selectors={name: make_selector(name, params.rerank, native) for name in SELECTORS},
-        speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
-        store=PredictionStore(),
-        make_index=make_index,
-        miss_policy=params.miss_policy,
-        hit_rate_sample=params.hit_rate_sample,
-        rng=random.Random(seed),
-        real_query=params.real_query,
-        sampling=params.sampling,
-    )
 
 
 def _split_threads(params: PrefetchParams, cpu: bool) -> tuple[int, int] | None:
@@ -166,7 +143,7 @@ class SparseStepRunner:
                                     always=params.transfer == "in_place")  # fmt: skip
         self._log_choices(inline, native, params.transfer)
         self.indexes = KeyIndexes(host.k, device, native)
-        self.inputs = _plan_inputs(params, req_to_token, self.indexes.index, native, seed)
+        self.inputs = PlanInputs.from_params(params, req_to_token, self.indexes.index, native, seed)
         self.ahead = AheadSelection(host, self.schedule, self.inputs.store, self.indexes, self.tally, self.events,
                                     _split_threads(params, cpu), 1 if params.select == "split" else SPLIT_MIN_ROWS)  # fmt: skip
         blocks = StepBlocks()
