@@ -38,10 +38,9 @@ import torch
 
 from bench.ceiling import QueryCapture, load_model
 from bench.texts import available_texts, text
-from dd_sglang.prefetch.index import (
+from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
+from dd_sglang.prefetch.scoring import (
     BLOCK_TOKENS,
-    KeyBlockIndex,
-    QuantKeyIndex,
     block_scores,
     block_tokens,
     row_blocks,

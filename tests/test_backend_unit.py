@@ -289,9 +289,9 @@ def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel, t
         fb, qs, outs = h.step()
         runner.plan = real_plan
         plan = plans[-1]
-        assert fb.input_ids.numel() == 1 and not plan.ahead and len(plan.sync) == 1
-        assert plan.verify_rows.numel() == 0 and h.events.cold_n == 0
-        g = plan.sync[0]
+        assert fb.input_ids.numel() == 1 and not plan.selection.ahead and len(plan.selection.sync) == 1
+        assert plan.checks.verify_rows.numel() == 0 and h.events.cold_n == 0
+        g = plan.selection.sync[0]
         ref = SpecHostSelector(2.0, native=kernel == "native")
         overlap = []
         for i in range(LAYERS):
@@ -494,7 +494,7 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     )  # fmt: skip
     h.backend.init_forward_metadata(fb)
     plan = fb.dd_step.plan
-    assert len(plan.spec_states) == 1 and isinstance(plan.spec_states[0][0], SpecState)
+    assert len(plan.spec.states) == 1 and isinstance(plan.spec.states[0][0], SpecState)
     logits = torch.randn(2, 11)
     hidden = torch.randn(2, 7)
     out = SimpleNamespace(next_token_logits=logits, hidden_states=hidden)
@@ -502,7 +502,7 @@ def test_finish_step_cuts_speculated_rows_and_records_their_argmax():
     finish_step(out, fb)
     assert torch.equal(out.next_token_logits, logits[:1]) and torch.equal(out.hidden_states, hidden[:1])
     top = torch.softmax(logits[1], -1).topk(2)
-    state, i = plan.spec_states[0]
+    state, i = plan.spec.states[0]
     assert state.top[i][0] == int(top.indices[0]) and state.top[i][2] == int(top.indices[1])
     assert abs(state.top[i][1] - float(top.values[0])) < 1e-6
     assert fb.dd_step is None

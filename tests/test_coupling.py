@@ -136,7 +136,8 @@ def test_coupled_guesses_stash_the_sampled_sparse_rows_and_draw_the_riding_ones(
     info = _info(4, 0.8, 0.95)
     info.top_ks[2] = 1
     fb = SimpleNamespace(sampling_info=info, positions=torch.tensor([10, 20, 30, 40, 21, 41]), return_logprob=False)
-    plan = SimpleNamespace(seeds=(111, 222, 333), rows=torch.tensor([1, 2, 3]), spec_rows=torch.tensor([0, 2]))
+    plan = SimpleNamespace(requests=SimpleNamespace(seeds=(111, 222, 333)), rows=torch.tensor([1, 2, 3]),
+                           spec=SimpleNamespace(rows=torch.tensor([0, 2])))  # fmt: skip
     guesses = coupling.coupled_guesses(out, plan, fb, 4)
     rows, seeds, positions = out.dd_coupled
     assert rows.tolist() == [1, 3] and seeds == [111, 333] and positions == [20, 40]

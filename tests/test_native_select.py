@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dd_sglang.kernels import native
-from dd_sglang.prefetch.index import QuantKeyIndex, row_blocks
+from dd_sglang.kernels import native, native_build
+from dd_sglang.prefetch.index import QuantKeyIndex
 from dd_sglang.prefetch.runner import use_native_kernel
+from dd_sglang.prefetch.scoring import row_blocks
 from dd_sglang.prefetch.selectors import make_selector
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU selection kernel here: "
@@ -29,7 +30,7 @@ def march(request, tmp_path_factory):
 
         if platform.machine() != "x86_64":
             pytest.skip("x86 targets only")
-        flags = native._cpu_flags()
+        flags = native_build._cpu_flags()
         if request.param == "haswell" and not all(f in flags.split() for f in ("avx2", "fma")):
             pytest.skip("this CPU has no AVX2/FMA")
         try:

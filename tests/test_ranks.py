@@ -28,7 +28,8 @@ from dd_sglang.kvcache.host_pool import HostSparseKVPool
 from dd_sglang.kvcache.ranks import RankInfo, current_ranks, host_tier_share
 from dd_sglang.metrics.backend_events import MetricsEvents
 from dd_sglang.metrics.sidecar import create_app
-from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex, row_blocks
+from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
+from dd_sglang.prefetch.scoring import row_blocks
 from dd_sglang.prefetch.selectors import SELECTORS, make_selector
 from tests.test_sparse_runtime import FakeAllocator, FakeTree
 from tests.test_sparse_runtime import params as sparse_params

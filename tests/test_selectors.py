@@ -7,12 +7,8 @@ import math
 import pytest
 import torch
 
-from dd_sglang.prefetch.index import (
-    BLOCK_TOKENS,
-    KeyBlockIndex,
-    QuantKeyIndex,
-    row_blocks,
-)
+from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
+from dd_sglang.prefetch.scoring import BLOCK_TOKENS, row_blocks
 from dd_sglang.prefetch.selectors import SELECTORS, gqa_token_scores, make_selector
 
 HQ, HKV, D, LAYERS = 9, 3, 16, 2
@@ -176,7 +172,7 @@ def test_spec_host_int8_logits_are_the_quantised_product_and_keep_the_exact_top_
 def test_runs_follow_consecutive_slots_and_score_like_a_gather(monkeypatch):
     """A row over shuffled pages splits into one run per page (hand-computed), and scoring those runs
     in place equals scoring one gather of every slot (the fragmented-row path)."""
-    from dd_sglang.prefetch import index as index_mod
+    from dd_sglang.prefetch import scoring
 
     host_k, slots, rows, _ = _rows([300, 180], [260, 150], seed=1)
     for r, hi in enumerate([260, 150]):
@@ -190,11 +186,11 @@ def test_runs_follow_consecutive_slots_and_score_like_a_gather(monkeypatch):
     idx = QuantKeyIndex(host_k)
     for sl, n in zip(slots, [300, 180], strict=True):
         idx.update(sl, 0, n)
-    in_place = index_mod.candidate_logits(q[None], host_k[1:2], rows, SCALE)[0]
+    in_place = scoring.candidate_logits(q[None], host_k[1:2], rows, SCALE)[0]
     in_place8 = idx.candidate_logits(q[None], slice(1, 2), rows, SCALE)[0]
-    monkeypatch.setattr(index_mod, "MAX_RUNS", 0)
+    monkeypatch.setattr(scoring, "MAX_RUNS", 0)
     again = rows.take(torch.arange(2))
-    gathered = index_mod.candidate_logits(q[None], host_k[1:2], again, SCALE)[0]
+    gathered = scoring.candidate_logits(q[None], host_k[1:2], again, SCALE)[0]
     assert torch.equal(in_place.isinf(), gathered.isinf())
     torch.testing.assert_close(in_place, gathered)
     assert torch.equal(in_place8, idx.candidate_logits(q[None], slice(1, 2), again, SCALE)[0])

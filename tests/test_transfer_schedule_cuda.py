@@ -10,8 +10,9 @@ import torch
 
 from dd_sglang.kernels.sparse_decode import fold_gqa, sparse_decode_attention
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.index import KeyBlockIndex, row_blocks
+from dd_sglang.prefetch.index import KeyBlockIndex
 from dd_sglang.prefetch.schedule import TransferSchedule
+from dd_sglang.prefetch.scoring import row_blocks
 from dd_sglang.prefetch.selectors import make_selector
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")

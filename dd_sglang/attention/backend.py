@@ -157,7 +157,7 @@ class DualDecoderAttnBackend(AttentionBackend):
             if plan is not None:
                 ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
                 _, _, hkv, columns, head_dim = ring.shape
-                self.attention.plan(plan.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
+                self.attention.plan(plan.layout.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
             rt.buffers.ring_buffer_bytes = runner.ring.nbytes
             rt.buffers.critical_buffer_bytes = runner.critical_bytes(plan)
             rt.buffers.selector_aux = runner.aux_bytes()

@@ -178,16 +178,16 @@ def coupled_guesses(output, plan, forward_batch, n: int) -> list[int] | None:
         token was the real one; None when coupling does not apply (module docstring).
     """
     si = getattr(forward_batch, "sampling_info", None)
-    if not plan.seeds or not _applies(forward_batch, si):
+    if not plan.requests.seeds or not _applies(forward_batch, si):
         return None
-    seed_of = dict(zip(plan.rows.tolist(), plan.seeds, strict=True))
+    seed_of = dict(zip(plan.rows.tolist(), plan.requests.seeds, strict=True))
     top_ks = si.top_ks.tolist()
     sampled = [b for b in plan.rows.tolist() if top_ks[b] != 1]
     pos = forward_batch.positions.tolist()
     if sampled:
         setattr(output, _ATTR, (torch.tensor(sampled, dtype=torch.int64), [seed_of[b] for b in sampled],
                                 [pos[b] for b in sampled]))  # fmt: skip
-    rows = plan.rows[plan.spec_rows.cpu()]
+    rows = plan.rows[plan.spec.rows.cpu()]
     seeds = [seed_of[b] for b in rows.tolist()]
     return draw(output.next_token_logits[n:], si, rows, seeds, pos[n:]).tolist()
 

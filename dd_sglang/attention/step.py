@@ -63,16 +63,17 @@ def finish_step(output, forward_batch) -> None:
     forward_batch.dd_step = None
     plan = step.plan
     logits = getattr(output, "next_token_logits", None)
-    if plan is not None and plan.spec_states and logits is not None:
-        n, extra = plan.batch_size, len(plan.spec_states)
+    if plan is not None and plan.spec.states and logits is not None:
+        n, extra = plan.batch_size, len(plan.spec.states)
         if logits.shape[0] == n + extra:
             guesses = coupled_guesses(output, plan, forward_batch, n)
             if guesses is not None:  # the draw the sampler will make: certain, no runner-up
-                for (state, i), g in zip(plan.spec_states, guesses, strict=True):
+                for (state, i), g in zip(plan.spec.states, guesses, strict=True):
                     state.top[i] = (g, 1.0, g, 0.0)
             else:
                 top = torch.softmax(logits[n:].float(), dim=-1).topk(2, dim=-1)
-                for (state, i), p, t in zip(plan.spec_states, top.values.tolist(), top.indices.tolist(), strict=True):
+                states = plan.spec.states
+                for (state, i), p, t in zip(states, top.values.tolist(), top.indices.tolist(), strict=True):
                     state.top[i] = (t[0], p[0], t[1], p[1])
             output.next_token_logits = logits[:n]
             hs = getattr(output, "hidden_states", None)
@@ -80,7 +81,7 @@ def finish_step(output, forward_batch) -> None:
                 output.hidden_states = hs[:n]
     if plan is not None and step.sparse_layers:
         step.events.sparse_rows(plan.num_rows * step.sparse_layers)
-        if plan.exact_rows:
-            step.events.exact_rows(len(plan.exact_rows) * step.sparse_layers)
+        if plan.exact.batch_rows:
+            step.events.exact_rows(len(plan.exact.batch_rows) * step.sparse_layers)
     step.events.phase("attention", step.attention_s)
     step.events.step("sparse" if plan is not None else "dense", time.perf_counter() - step.started)

@@ -95,7 +95,7 @@ class SparseAttention:
         """Once per decode step, before the first layer's :meth:`run`.
 
         Args:
-            mask: ``shape: [R, S, N], dtype: torch.bool`` (``StepPlan.mask``, ``S = StepPlan.positions``):
+            mask: ``shape: [R, S, N], dtype: torch.bool`` (``StepPlan.layout.mask``, ``S = StepPlan.layout.positions``):
                 columns each row's real / speculated queries read, the same for every KV head and layer.
             num_kv_heads: ``Hkv`` of the K/V :meth:`run` will get.
             group: query heads per KV head, or None (read from ``q`` at the first :meth:`run`).

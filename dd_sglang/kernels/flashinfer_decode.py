@@ -2,7 +2,7 @@
 
 What it computes is :func:`dd_sglang.kernels.sparse_decode.sparse_decode_attention`
 (the PyTorch reference): per sparse row ``r``, KV head ``h`` and query position
-``s`` (0: the real token, then the speculated ones: ``S = StepPlan.positions``
+``s`` (0: the real token, then the speculated ones: ``S = StepPlan.layout.positions``
 positions, 2 with one speculated token), softmax attention of the
 ``G`` query heads of ``h``'s GQA group over the columns ``mask[r, s]`` marks in
 the row's slot of the layer ring (:mod:`dd_sglang.kvcache.layer_buffers`).
@@ -112,6 +112,18 @@ def flashinfer_supports(dtype: torch.dtype, group: int | None = None, head_dim: 
     return None
 
 
+def _check_page_inputs(mask: torch.Tensor, num_kv_heads: int, columns: int) -> None:
+    """:func:`paged_kv_indices`' checks of ``mask``, ``num_kv_heads`` and ``columns`` (its Raises)."""
+    if mask.dim() != 3 or mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be a [rows, positions, columns] bool tensor, got {tuple(mask.shape)} {mask.dtype}"
+        )
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be >= 1, got {num_kv_heads}")
+    if columns < mask.shape[2]:
+        raise ValueError(f"columns (the K/V column stride) must be >= mask.shape[2] = {mask.shape[2]}, got {columns}")
+
+
 def paged_kv_indices(
     mask: torch.Tensor,
     num_kv_heads: int,
@@ -128,7 +140,7 @@ def paged_kv_indices(
 
     Args:
         mask: ``shape: [R, S, N], dtype: torch.bool``: columns each row's query position reads
-            (``StepPlan.mask``; ``S = StepPlan.positions``), the same for every KV head.
+            (``StepPlan.layout.mask``; ``S = StepPlan.layout.positions``), the same for every KV head.
         num_kv_heads: ``Hkv`` (>= 1).
         columns: column stride ``C`` of the paged K/V (the ring slot's column capacity), ``>= N``.
         indptr: optional ``[>= B + 1]`` int32 buffer to fill in place (``B = R x Hkv x S``).
@@ -146,15 +158,8 @@ def paged_kv_indices(
         ValueError: ``mask`` is not a 3-D bool tensor, ``num_kv_heads < 1``, ``columns < N``, or a
             buffer is too small or of the wrong dtype (the message names it).
     """
-    if mask.dim() != 3 or mask.dtype != torch.bool:
-        raise ValueError(
-            f"mask must be a [rows, positions, columns] bool tensor, got {tuple(mask.shape)} {mask.dtype}"
-        )
+    _check_page_inputs(mask, num_kv_heads, columns)
     r, s, n = mask.shape
-    if num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be >= 1, got {num_kv_heads}")
-    if columns < n:
-        raise ValueError(f"columns (the K/V column stride) must be >= mask.shape[2] = {n}, got {columns}")
     b = r * num_kv_heads * s
     dev = mask.device
     indptr = _buffer(indptr, b + 1, dev, "indptr")
@@ -201,6 +206,27 @@ class _Step:
         return self.rows * self.num_kv_heads * self.positions
 
 
+@dataclass(frozen=True)
+class _PageBuffers:
+    """The index buffers FlashInfer's page lists are written into (:func:`paged_kv_indices`), int32 on
+    the device, for up to ``requests`` requests of ``columns`` columns: ``indptr`` ``[requests + 1]``,
+    ``indices`` ``[requests x columns + 1]`` and ``last_page_len`` ``[requests]`` (None: none yet)."""
+
+    requests: int = 0
+    columns: int = 0
+    indptr: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    last_page_len: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, requests: int, columns: int, device: torch.device) -> _PageBuffers:
+        """Zeroed buffers for ``requests`` requests of ``columns`` columns on ``device``."""
+        indptr = torch.zeros(requests + 1, dtype=torch.int32, device=device)
+        last = torch.zeros(requests, dtype=torch.int32, device=device)
+        indices = torch.zeros(requests * columns + 1, dtype=torch.int32, device=device)
+        return cls(requests, columns, indptr, indices, last)
+
+
 class FlashInferSparseDecode:
     """FlashInfer sparse decode over the layer ring (module docstring): :meth:`plan` per step,
     :meth:`run` per layer.
@@ -237,8 +263,7 @@ class FlashInferSparseDecode:
         self.max_rows = max_rows
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._wrappers: dict[bool, object] = {}  # by use_tensor_cores, built on first use
-        self._cap = (0, 0)  # (requests, columns) the index buffers hold
-        self._indptr = self._indices = self._last = None
+        self._pages = _PageBuffers()  # grown by _reserve
         self._out: torch.Tensor | None = None
         self._step: _Step | None = None
         self._kernel: tuple[int, int] | None = None  # (group, head_dim) FlashInfer is planned for
@@ -251,7 +276,7 @@ class FlashInferSparseDecode:
         """Fill the index buffers for a step and plan FlashInfer's kernel.
 
         Args:
-            mask: ``[R, S, N]`` bool on :attr:`device` (``StepPlan.mask``).
+            mask: ``[R, S, N]`` bool on :attr:`device` (``StepPlan.layout.mask``).
             num_kv_heads: ``Hkv``; ``columns``: the K/V column stride (ring column capacity).
             dtype: q and K/V dtype (float16/bfloat16, :func:`flashinfer_supports`).
             group, head_dim: the GQA group and head dim; when None, the values an earlier
@@ -267,8 +292,9 @@ class FlashInferSparseDecode:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         step = _Step(int(mask.shape[0]), num_kv_heads, int(mask.shape[1]), columns, dtype)
         self._reserve(step)
-        paged_kv_indices(mask, num_kv_heads, columns, indptr=self._indptr, indices=self._indices,
-                         last_page_len=self._last)  # fmt: skip
+        pages = self._pages
+        paged_kv_indices(mask, num_kv_heads, columns, indptr=pages.indptr, indices=pages.indices,
+                         last_page_len=pages.last_page_len)  # fmt: skip
         self._step, self._kernel = step, None
         group = group or self.group
         head_dim = head_dim or self.head_dim
@@ -277,16 +303,11 @@ class FlashInferSparseDecode:
 
     def _reserve(self, st: _Step) -> None:
         """Grow the index buffers to hold ``st`` (and ``max_rows`` rows of its shape)."""
-        cap_b, cap_c = self._cap
+        cap_b, cap_c = self._pages.requests, self._pages.columns
         need_b = max(st.requests, self.max_rows * st.num_kv_heads * st.positions)
         if need_b <= cap_b and st.columns <= cap_c:
             return
-        cap_b, cap_c = max(cap_b, need_b), max(cap_c, st.columns)
-        dev = self.device
-        self._indptr = torch.zeros(cap_b + 1, dtype=torch.int32, device=dev)
-        self._last = torch.zeros(cap_b, dtype=torch.int32, device=dev)
-        self._indices = torch.zeros(cap_b * cap_c + 1, dtype=torch.int32, device=dev)
-        self._cap = (cap_b, cap_c)
+        self._pages = _PageBuffers.allocate(max(cap_b, need_b), max(cap_c, st.columns), self.device)
         self._out = None  # sized by requests too: rebuilt at the next kernel plan
 
     def _wrapper(self, tensor_cores: bool):
@@ -300,15 +321,15 @@ class FlashInferSparseDecode:
         why = flashinfer_supports(st.dtype, group, head_dim)
         if why is not None:
             raise ValueError(f"FlashInfer sparse decode cannot serve {why}")
-        b = st.requests
-        cap_b = self._cap[0]
+        b, pages = st.requests, self._pages
+        cap_b = pages.requests
         out = self._out
         if out is None or out.shape != (cap_b, group, head_dim) or out.dtype != st.dtype:
             self._out = torch.empty(cap_b, group, head_dim, dtype=st.dtype, device=self.device)
         self._wrapper(group >= TENSOR_CORE_MIN_GROUP).plan(
-            self._indptr[: b + 1],
-            self._indices,
-            self._last[:b],
+            pages.indptr[: b + 1],
+            pages.indices,
+            pages.last_page_len[:b],
             group,
             1,
             head_dim,

@@ -8,16 +8,14 @@
   to memory and back); also ``host_sync``'s and verification's scoring.
 * :func:`measure_hits`: the sampled prefetch hit-rate measurement of one layer.
 * :func:`gather_rows`: a row copy into the layer ring (each row once, no temporary).
+* :func:`sparse_attend`: the fused sparse decode attention of a layer (:mod:`dd_sglang.kernels.native_attend`).
 
 ``tests/test_native_select.py`` checks each against its PyTorch counterpart.
 
-**Build.** ``cc -O3 -march=native -fPIC -shared -fopenmp`` (the compiler from ``$CC``, else ``cc``)
-into ``$DD_SGLANG_CACHE/native/`` (default ``~/.cache/dd_sglang``), once per source, flags
-and CPU (the file name carries a hash of the three), written to a temporary name and
-renamed, so concurrent processes never load a half-written library. ``-march=native``: the
-library is built on the machine that runs it, for its instruction set (AVX2 or AVX-512).
-Without a compiler, or if the build fails, :func:`load` returns None and logs why once; the
-selector then uses its PyTorch path (``experimental.kernel: auto``).
+**Build.** :mod:`dd_sglang.kernels.native_build` compiles and loads the library (at first use,
+once per source, flags and CPU); its :func:`build`, :func:`load`, :func:`available`,
+:func:`unavailable_reason` and :class:`NativeUnavailable` are re-exported here. Without a
+compiler the selector uses its PyTorch path (``experimental.kernel: auto``).
 
 **Threads.** The tasks are split over ``torch.get_num_threads()`` OpenMP threads; a selection
 with fewer tasks than threads (one row of one layer: a selection at attention time or a verification at
@@ -35,137 +33,25 @@ Imports no other dd_sglang layer.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger(__name__)
+from dd_sglang.kernels import native_build as _library
+from dd_sglang.kernels.native_attend import ATTEND_PARALLEL_TASKS, sparse_attend
+from dd_sglang.kernels.native_build import (
+    FLAGS,
+    MAX_HEAD_DIM,
+    MAX_QUERIES,
+    SOURCE,
+    NativeUnavailable,
+    available,
+    build,
+    load,
+    unavailable_reason,
+)
 
-SOURCE = Path(__file__).with_name("cpu_select.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-#: ``MAXG`` and ``MAXD`` of ``cpu_select.c``: query vectors per row (KV heads x group x riding
-#: positions) and head_dim it takes.
-MAX_QUERIES, MAX_HEAD_DIM = 64, 256
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_why = ""
-
-
-class NativeUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here (the message says why)."""
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("DD_SGLANG_CACHE")
-    return (Path(env) if env else Path.home() / ".cache" / "dd_sglang") / "native"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def build(cache: Path | None = None, march: str = "native", source: Path = SOURCE) -> Path:
-    """Compile ``cpu_select.c`` (once per source, flags and CPU) and return the library's path.
-
-    ``march``: the ``-march`` target (tests build ``haswell`` and ``x86-64`` too, to check the
-    AVX2 and plain-C paths a machine without AVX-512 runs). ``source``: another version of the
-    file (``bench.select_kernel --baseline-rev`` times an earlier commit's against this one).
-
-    Raises:
-        NativeUnavailable: no C compiler (``$CC`` or ``cc``), or the compiler failed (its
-            message is included).
-    """
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise NativeUnavailable(f"no C compiler ({cc!r} not on PATH)")
-    src = source.read_bytes()
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
-    key = hashlib.sha256(src + " ".join(flags).encode() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out_dir = cache or _cache_dir()
-    lib = out_dir / f"cpu_select-{key}.so"
-    if lib.exists():
-        return lib
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise NativeUnavailable(f"cannot create {out_dir} ({err})") from None
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
-        if proc.returncode != 0:
-            raise NativeUnavailable(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
-        os.replace(tmp, lib)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise NativeUnavailable(f"{cc} could not build the kernel ({err})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
-
-
-def load(path: Path | None = None) -> ctypes.CDLL | None:
-    """The loaded kernel, built on first call; None (logged once, with the reason) where it cannot be.
-
-    ``path``: load this library instead (a test switching to a build for another ``-march``);
-    it replaces the one loaded before.
-    """
-    global _lib, _tried, _why
-    with _lock:
-        if _tried and path is None:
-            return _lib
-        _tried = True
-        try:
-            lib = ctypes.CDLL(str(path or build()))
-        except (NativeUnavailable, OSError) as err:
-            _why = str(err)
-            log.warning("dd_sglang: CPU selection kernel unavailable, using PyTorch: %s", err)
-            return None
-        i, p, i64, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        head = [i, i, i, i, i, i, i64, p, p, p, p, p, p, i, i, i, f, p, p, p, p, i]
-        lib.dd_spec_host_select.argtypes = [*head, i, i]
-        lib.dd_spec_host_select_par.argtypes = [*head, i]
-        lib.dd_spec_host_select.restype = lib.dd_spec_host_select_par.restype = ctypes.c_int
-        lib.dd_quantize_keys.argtypes = [i, i64, i, i, p, i, p, i64, p, p, i]
-        lib.dd_quantize_keys.restype = ctypes.c_int
-        lib.dd_gather_rows.argtypes = [p, p, p, p, p, p, i64, i64, i]
-        lib.dd_gather_rows.restype = None
-        lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
-        lib.dd_copy_rows.restype = None
-        lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, p, p, p, i, p, p,
-                                         p, i, i, i]  # fmt: skip
-        lib.dd_sparse_attend.restype = ctypes.c_int
-        lib.dd_measure.argtypes = [i, i, i, i, i, i, p, p, p, p, i, p, p, f, p, p, p, i]
-        lib.dd_measure.restype = ctypes.c_int
-        _lib = lib
-        return _lib
-
-
-def available() -> bool:
-    """Whether the kernel is (or can be) loaded here."""
-    return load() is not None
-
-
-def unavailable_reason() -> str:
-    """Why :func:`load` returned None ("" when it did not, or was not yet called)."""
-    return _why
+__all__ = ["ATTEND_PARALLEL_TASKS", "FLAGS", "GATHER_SERIAL_BYTES", "MAX_HEAD_DIM", "MAX_QUERIES", "SOURCE",
+           "NativeUnavailable", "available", "build", "copy_rows_unchecked", "gather_rows", "gather_rows_unchecked",
+           "load", "measure_hits", "quantize_keys", "sparse_attend", "spec_host_select", "unavailable_reason"]
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -208,31 +94,12 @@ def spec_host_select(
     if lib is None:
         raise NativeUnavailable("the CPU selection kernel is not built here")
     n_layers, rows, hkv, d = keys.shape[0], slots.shape[0], keys.shape[2], keys.shape[3]
-    if keys.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"keys must be bfloat16 or float32, got {keys.dtype}")
-    if q.shape[0] != n_layers or q.shape[1] != rows or q.shape[2] % hkv or q.shape[3] != d:
-        raise ValueError(f"q {tuple(q.shape)} does not match keys {tuple(keys.shape)} and {rows} rows")
-    if not 1 <= k <= m:
-        raise ValueError(f"need 1 <= k <= m, got k={k}, m={m}")
+    _check_select_inputs(q, keys, q8, kscale, rows, k, m)
     g = q.shape[2] // hkv
-    if q.shape[2] > MAX_QUERIES or d > MAX_HEAD_DIM:
-        raise ValueError(f"the CPU selection kernel takes at most {MAX_QUERIES} queries per row and head_dim "
-                         f"{MAX_HEAD_DIM}, got {q.shape[2]} and {d}")  # fmt: skip
-    for name, t in (("keys", keys), ("q8", q8), ("kscale", kscale)):
-        if not t[0].is_contiguous() or (n_layers > 1 and t.stride(0) != t[0].numel()):
-            raise ValueError(f"{name} must be contiguous")
     q = q.to(torch.float32).contiguous()
     slots = slots.to(torch.int64).contiguous()
     ok = ok.to(torch.uint8).contiguous()
-    if out is None:
-        pos_out = torch.empty(n_layers, rows, hkv, k, dtype=torch.int64)
-        slot_out = torch.empty_like(pos_out)
-    else:
-        pos_out, slot_out = out
-        for t in out:
-            if t.dtype != torch.int64 or tuple(t.shape) != (n_layers, rows, hkv, k) or not t.is_contiguous():
-                raise ValueError(f"out must be contiguous int64 {(n_layers, rows, hkv, k)}, got {t.dtype} "
-                                 f"{tuple(t.shape)}")  # fmt: skip
+    pos_out, slot_out = _select_outputs(out, (n_layers, rows, hkv, k))
     s = keys.shape[1]
     args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),
             _ptr(kscale), _ptr(keys), int(keys.dtype == torch.bfloat16), k, m, float(scale),
@@ -241,6 +108,38 @@ def spec_host_select(
     rc = lib.dd_spec_host_select_par(*args, torch.get_num_threads())  # fewer tasks than threads: each on all
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")
+    return pos_out, slot_out
+
+
+def _check_select_inputs(q: torch.Tensor, keys: torch.Tensor, q8: torch.Tensor, kscale: torch.Tensor, rows: int,
+                         k: int, m: int) -> None:  # fmt: skip
+    """:func:`spec_host_select`'s checks of its inputs (its Args); ValueError naming what it does not take."""
+    n_layers, hkv, d = keys.shape[0], keys.shape[2], keys.shape[3]
+    if keys.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"keys must be bfloat16 or float32, got {keys.dtype}")
+    if q.shape[0] != n_layers or q.shape[1] != rows or q.shape[2] % hkv or q.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} does not match keys {tuple(keys.shape)} and {rows} rows")
+    if not 1 <= k <= m:
+        raise ValueError(f"need 1 <= k <= m, got k={k}, m={m}")
+    if q.shape[2] > MAX_QUERIES or d > MAX_HEAD_DIM:
+        raise ValueError(f"the CPU selection kernel takes at most {MAX_QUERIES} queries per row and head_dim "
+                         f"{MAX_HEAD_DIM}, got {q.shape[2]} and {d}")  # fmt: skip
+    for name, t in (("keys", keys), ("q8", q8), ("kscale", kscale)):
+        if not t[0].is_contiguous() or (n_layers > 1 and t.stride(0) != t[0].numel()):
+            raise ValueError(f"{name} must be contiguous")
+
+
+def _select_outputs(out: tuple[torch.Tensor, torch.Tensor] | None,
+                    shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(positions, slots)`` for :func:`spec_host_select` to write: new ``shape`` int64 tensors, or
+    ``out`` once checked (contiguous int64 of that shape; ValueError otherwise)."""
+    if out is None:
+        pos_out = torch.empty(*shape, dtype=torch.int64)
+        return pos_out, torch.empty_like(pos_out)
+    pos_out, slot_out = out
+    for t in out:
+        if t.dtype != torch.int64 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"out must be contiguous int64 {shape}, got {t.dtype} {tuple(t.shape)}")
     return pos_out, slot_out
 
 
@@ -331,7 +230,9 @@ def gather_rows_unchecked(src_k: int, src_v: int, dst_k: int, dst_v: int, src_ro
     Raises:
         NativeUnavailable: the kernel is not loaded.
     """
-    lib = _lib if _lib is not None else load()
+    lib = _library._lib
+    if lib is None:
+        lib = load()
     if lib is None:
         raise NativeUnavailable("the CPU kernels are not built here")
     m = int(src_rows.numel())
@@ -348,107 +249,12 @@ def copy_rows_unchecked(src: int, dst: int, src_rows: torch.Tensor, dst_rows: to
     Raises:
         NativeUnavailable: the kernel is not loaded.
     """
-    lib = _lib if _lib is not None else load()
+    lib = _library._lib
+    if lib is None:
+        lib = load()
     if lib is None:
         raise NativeUnavailable("the CPU kernels are not built here")
     lib.dd_copy_rows(src, dst, src_rows.data_ptr(), dst_rows.data_ptr(), int(src_rows.numel()), row_bytes)
-
-
-#: Tasks (row x KV head) from which :func:`sparse_attend` splits them over PyTorch's threads; below,
-#: the calling thread runs them alone (waking the other threads costs more than 1-row work).
-ATTEND_PARALLEL_TASKS = 6
-
-_ATTEND_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def sparse_attend(q: torch.Tensor, q_tok: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  out: torch.Tensor, out_tok: torch.Tensor, scale: float,
-                  resident: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  critical: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:  # fmt: skip
-    """Sparse decode attention of a step's rows over their ring slot, written into the layer's
-    output (``dd_sparse_attend`` in ``cpu_select.c``): for each plan row ``r``, KV head ``h`` and
-    query position ``p`` with ``out_tok[r, p] >= 0``, each of the ``G`` query heads of ``h`` attends
-    (softmax of ``scale q . k``, float32) to the columns ``c`` with ``mask[r, p, c]`` and its output goes
-    to ``out[out_tok[r, p], h G + g]``. The same result as folding the queries
-    (:func:`~dd_sglang.kernels.sparse_decode.fold_gqa` of ``q[q_tok]``), SDPA with the mask and
-    scattering the output, up to float32 rounding order.
-
-    Args:
-        q: ``[tokens, Hq, D]`` bfloat16 or float32 (any token stride; heads ``D`` apart, contiguous
-            within a head: e.g. a view of the fused QKV projection).
-        q_tok: ``[R, P]`` int64, each query's token.
-        keys, values: the ring slot, ``[rows >= R, Hkv, ncols, D]`` contiguous, bfloat16 or float32.
-        mask: ``[R, P, N]`` bool contiguous, ``N <= ncols``; a position with an output token must
-            read at least one column.
-        out: ``[tokens', Hq, D]``, ``q``'s dtype, heads ``D`` apart.
-        out_tok: ``[R, P]`` int64, each output's token, or -1 (position unused: nothing written).
-        scale: softmax scale.
-        resident: ``(pool_k, pool_v, slots)``: read columns ``[0, n_res)`` (the resident set) from the
-            device pool's ``[slots, Hkv, D]`` buffers (contiguous, the slot's dtype) at ``slots``
-            ``[R, n_res]`` (int64, contiguous) instead of the ring slot, which then need not hold
-            them; None: every column from the ring slot.
-        critical: ``(host_k, host_v, slots, c_lo)``: read column ``c_lo + j`` of row ``r`` and KV head
-            ``h`` in place from the host tier's layer ``[S, Hkv, D]`` buffers (contiguous, the slot's
-            dtype) at host slot ``slots[r, h, j]`` (``[R, Hkv, n]`` int64 contiguous) where that slot
-            is >= 0, instead of from the ring slot (the critical set, never copied); None: no such
-            column.
-
-    Raises:
-        NativeUnavailable: the kernel is not loaded.
-        ValueError: dtypes, layouts or shapes the kernel does not take (the message says which).
-    """
-    lib = _lib if _lib is not None else load()
-    if lib is None:
-        raise NativeUnavailable("the CPU kernels are not built here")
-    r, p = q_tok.shape
-    _, hkv, ncols, d = keys.shape
-    hq = q.shape[1]
-    if q.dtype not in _ATTEND_DTYPES or out.dtype != q.dtype or keys.dtype not in _ATTEND_DTYPES \
-            or values.dtype != keys.dtype:  # fmt: skip
-        raise ValueError(f"sparse_attend: dtypes q {q.dtype}, out {out.dtype}, keys {keys.dtype}, values {values.dtype}")
-    if q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d or hq % hkv \
-            or q.shape[2] != d or not (keys.is_contiguous() and values.is_contiguous() and mask.is_contiguous()
-                                       and q_tok.is_contiguous() and out_tok.is_contiguous()):  # fmt: skip
-        raise ValueError(f"sparse_attend: layouts q {tuple(q.shape)} {q.stride()}, out {out.stride()}, keys "
-                         f"{tuple(keys.shape)}: heads D apart, slot/mask/tokens contiguous, Hq % Hkv == 0")  # fmt: skip
-    if mask.shape[:2] != (r, p) or mask.shape[2] > ncols or keys.shape[0] < r or values.shape != keys.shape:
-        raise ValueError(f"sparse_attend: mask {tuple(mask.shape)} / slot {tuple(keys.shape)} do not match "
-                         f"{r} rows x {p} positions")  # fmt: skip
-    pool_k = pool_v = res = None
-    n_res = 0
-    if resident is not None:
-        pool_k, pool_v, res = resident
-        if pool_k.dtype != keys.dtype or pool_v.dtype != keys.dtype or pool_k.shape[1:] != (hkv, d) \
-                or pool_v.shape != pool_k.shape or res.shape[0] != r or res.dtype != torch.int64 \
-                or not (pool_k.is_contiguous() and pool_v.is_contiguous() and res.is_contiguous()):  # fmt: skip
-            raise ValueError(f"sparse_attend: resident pool {tuple(pool_k.shape)} {pool_k.dtype} / slots "
-                             f"{tuple(res.shape)} {res.dtype} do not match the slot {tuple(keys.shape)} {keys.dtype}")
-        n_res = res.shape[1]
-    host_k = host_v = crit = None
-    c_lo = n_crit = 0
-    if critical is not None:
-        host_k, host_v, crit, c_lo = critical
-        if host_k.dtype != keys.dtype or host_v.dtype != keys.dtype or host_k.shape[1:] != (hkv, d) \
-                or host_v.shape != host_k.shape or crit.dim() != 3 or tuple(crit.shape[:2]) != (r, hkv) \
-                or crit.dtype != torch.int64 or not (host_k.is_contiguous() and host_v.is_contiguous()
-                                                     and crit.is_contiguous()) or c_lo < 0:  # fmt: skip
-            raise ValueError(f"sparse_attend: host tier {tuple(host_k.shape)} {host_k.dtype} / critical slots "
-                             f"{tuple(crit.shape)} {crit.dtype} do not match the slot {tuple(keys.shape)} {keys.dtype}")
-        n_crit = crit.shape[2]
-    tasks = r * hkv
-    threads = torch.get_num_threads() if tasks >= ATTEND_PARALLEL_TASKS else 1
-    rc = lib.dd_sparse_attend(r, hkv, hq // hkv, p, d, mask.shape[2], ncols, q.data_ptr(), q.stride(0), q_tok.data_ptr(),
-                              keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), out.stride(0),
-                              out_tok.data_ptr(), int(q.dtype == torch.bfloat16), int(keys.dtype == torch.bfloat16),
-                              float(scale), pool_k.data_ptr() if pool_k is not None else None,
-                              pool_v.data_ptr() if pool_v is not None else None,
-                              res.data_ptr() if res is not None else None, n_res,
-                              host_k.data_ptr() if host_k is not None else None,
-                              host_v.data_ptr() if host_v is not None else None,
-                              crit.data_ptr() if crit is not None else None, int(c_lo), int(n_crit), threads)  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"sparse_attend: the kernel refused G={hq // hkv}, D={d}, N={mask.shape[2]} "
-                         f"(at most {MAX_QUERIES} query heads per KV head, head_dim {MAX_HEAD_DIM})")  # fmt: skip
 
 
 def measure_hits(q: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor, keys: torch.Tensor, have: torch.Tensor,

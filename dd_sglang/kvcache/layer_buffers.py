@@ -13,7 +13,7 @@ Bytes (exact, what :attr:`LayerRingBuffer.nbytes` reports)::
     2 (K and V) x (depth + 1) x rows x num_kv_heads x columns x head_dim x dtype.itemsize
 
 where ``rows`` and ``columns`` (resident + critical + 1 per row,
-:attr:`dd_sglang.prefetch.plan.StepPlan.columns`) are the capacities reserved
+:attr:`dd_sglang.prefetch.step_plan.ColumnLayout.columns`) are the capacities reserved
 for the running batch (:meth:`LayerRingBuffer.reserve`: grown when a step needs
 more, kept while steps fit, released when no sparse row runs). Slots are
 zero-filled when allocated: masked columns are never read as NaN.

@@ -136,13 +136,31 @@ def request_overrides(
             the field and the allowed values. SGLang turns it into an HTTP 400 before the
             request is queued (``patches/sampling_sampling_params.py``).
     """
-    out: dict = {}
     if custom_params is None:
-        return out
+        return {}
     if not isinstance(custom_params, dict):  # /generate takes any JSON here; a string would drop every override
         raise ValueError(
             f"custom_params must be a JSON object such as {{\"{OVERRIDE_TOP_K}\": 256}}, got {type(custom_params).__name__}"
         )
+    _check_override_keys(custom_params, experimental)
+    out = _scalar_overrides(custom_params, max_top_k)
+    for key, field, allowed in (
+        (OVERRIDE_SELECTOR, "selector", selectors),
+        (OVERRIDE_SPECULATOR, "speculator", speculators),
+        (OVERRIDE_MISS_POLICY, "miss_policy", MISS_POLICIES),
+        (OVERRIDE_POLICY, "policy", PATH_POLICIES),
+    ):
+        if key in custom_params:
+            v = custom_params[key]
+            if v not in allowed:
+                raise ValueError(f"custom_params.{key} must be one of {list(allowed)} on this server, got {v!r}")
+            out[field] = v
+    return out
+
+
+def _check_override_keys(custom_params: dict, experimental: bool) -> None:
+    """Refuse a ``dd_`` key in any case that is not an override, and an experiment switch where
+    ``experimental`` is false (:func:`request_overrides`); ValueError naming the key."""
     known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE,
              OVERRIDE_POLICY)  # fmt: skip
     for key in custom_params:
@@ -155,6 +173,12 @@ def request_overrides(
                 f"custom_params.{key} is an experiment switch: this server's preset does not allow it "
                 "(it needs experimental.request_overrides: true)"
             )
+
+
+def _scalar_overrides(custom_params: dict, max_top_k: int) -> dict:
+    """``{"top_k": int, "sparse": bool}`` (keys present only) from ``dd_top_k`` (an integer in
+    ``[TOP_K_RANGE[0], max_top_k]``) and ``dd_sparse`` (a bool); ValueError otherwise."""
+    out: dict = {}
     if OVERRIDE_TOP_K in custom_params:
         v = custom_params[OVERRIDE_TOP_K]
         lo, hi = TOP_K_RANGE[0], max_top_k
@@ -166,15 +190,4 @@ def request_overrides(
         if not isinstance(v, bool):
             raise ValueError(f"custom_params.{OVERRIDE_SPARSE} must be true or false, got {v!r}")
         out["sparse"] = v
-    for key, field, allowed in (
-        (OVERRIDE_SELECTOR, "selector", selectors),
-        (OVERRIDE_SPECULATOR, "speculator", speculators),
-        (OVERRIDE_MISS_POLICY, "miss_policy", MISS_POLICIES),
-        (OVERRIDE_POLICY, "policy", PATH_POLICIES),
-    ):
-        if key in custom_params:
-            v = custom_params[key]
-            if v not in allowed:
-                raise ValueError(f"custom_params.{key} must be one of {list(allowed)} on this server, got {v!r}")
-            out[field] = v
     return out

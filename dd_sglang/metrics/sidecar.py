@@ -123,18 +123,8 @@ def create_app(
 
     app = FastAPI(title="dd_sglang metrics sidecar")
     started = time.monotonic()
-
     if api_key:
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path in OPEN_ROUTES or bearer_ok(request.headers.get("authorization"), api_key):
-                return await call_next(request)
-            return JSONResponse(
-                {"error": "Unauthorized: send the server's --api-key as 'Authorization: Bearer <key>'"},
-                401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        _require_key(app, api_key)
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -142,31 +132,56 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        try:
-            async with httpx.AsyncClient(timeout=health_timeout_s) as client:
-                r = await client.get(f"{sglang_url}/health")
-        except httpx.HTTPError as err:
-            return JSONResponse({"status": "unavailable", "detail": f"{type(err).__name__}: {err}"}, 503)
-        if r.status_code != 200:
-            return JSONResponse(
-                {"status": "unavailable", "detail": f"SGLang /health returned {r.status_code}"}, 503
-            )
-        return JSONResponse({"status": "ok"})
+        return await sglang_health(sglang_url, health_timeout_s)
 
     @app.get("/stats")
     def stats() -> dict:
-        samples = dd_samples(multiproc_dir)
-        return {
-            "preset": preset,
-            "sglang_url": sglang_url,
-            "uptime_seconds": round(time.monotonic() - started, 3),
-            "prefetch_hit_rate": prefetch_hit_rates(samples),
-            "prefetch_hit_rate_by_speculator": prefetch_hit_rates(samples, ("selector", "speculator")),
-            "spec_acceptance_rate": acceptance_rates(samples),
-            "metrics": samples,
-        }
+        return stats_snapshot(multiproc_dir, sglang_url, preset, time.monotonic() - started)
 
     return app
+
+
+def _require_key(app: FastAPI, api_key: str) -> None:
+    """Make every route of ``app`` but :data:`OPEN_ROUTES` answer 401 (``WWW-Authenticate: Bearer``)
+    without ``Authorization: Bearer <api_key>``."""
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if request.url.path in OPEN_ROUTES or bearer_ok(request.headers.get("authorization"), api_key):
+            return await call_next(request)
+        return JSONResponse(
+            {"error": "Unauthorized: send the server's --api-key as 'Authorization: Bearer <key>'"},
+            401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+async def sglang_health(sglang_url: str, timeout_s: float) -> JSONResponse:
+    """``/healthz``'s answer: 200 ``{"status": "ok"}`` when SGLang's ``/health`` answers 200 within
+    ``timeout_s`` seconds, else 503 ``{"status": "unavailable", "detail": <reason>}``."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            r = await client.get(f"{sglang_url}/health")
+    except httpx.HTTPError as err:
+        return JSONResponse({"status": "unavailable", "detail": f"{type(err).__name__}: {err}"}, 503)
+    if r.status_code != 200:
+        return JSONResponse({"status": "unavailable", "detail": f"SGLang /health returned {r.status_code}"}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+def stats_snapshot(multiproc_dir: str, sglang_url: str, preset: str, uptime_s: float) -> dict:
+    """``/stats``'s JSON (module docstring): the ``dd_`` samples in ``multiproc_dir`` and the rates
+    derived from them, with the SGLang URL, the preset name and the uptime (seconds, 3 decimals)."""
+    samples = dd_samples(multiproc_dir)
+    return {
+        "preset": preset,
+        "sglang_url": sglang_url,
+        "uptime_seconds": round(uptime_s, 3),
+        "prefetch_hit_rate": prefetch_hit_rates(samples),
+        "prefetch_hit_rate_by_speculator": prefetch_hit_rates(samples, ("selector", "speculator")),
+        "spec_acceptance_rate": acceptance_rates(samples),
+        "metrics": samples,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

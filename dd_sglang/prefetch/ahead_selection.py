@@ -95,11 +95,11 @@ class AheadSelection:
         previous step's selections were drained, so none is in flight."""
         threads, min_rows = self.split
         if threads is not None:
-            rows = sum(int(g.query.shape[0]) for g in plan.ahead) if plan is not None else 0
+            rows = sum(int(g.query.shape[0]) for g in plan.selection.ahead) if plan is not None else 0
             split = plan is not None and rows >= min_rows
             self.schedule.select_inline = not split
             self.split_threads(split)
-        groups = plan.ahead if plan is not None else ()
+        groups = plan.selection.ahead if plan is not None else ()
         self.pending = [{} for _ in groups]
         self.next_layer = [0 for _ in groups]
         self.layers_per_call = [None for _ in groups]
@@ -120,7 +120,7 @@ class AheadSelection:
         on the CPU fast path, else None."""
         last = layer == self.host.layer_num - 1
         inline = self.schedule.select_inline
-        for gi, g in enumerate(plan.ahead):
+        for gi, g in enumerate(plan.selection.ahead):
             if inline and fast_rows is not None:
                 self._into_step_buffer(gi, g, layer, q3, scale, last, fast_rows.sel_rows[gi])
                 continue

@@ -1,6 +1,6 @@
 """The sampled prefetch hit-rate measurement (``experimental.hit_rate_sample``).
 
-For the plan's sampled lookahead rows (``plan.sampled``), after each layer's attention, on the
+For the plan's sampled lookahead rows (``plan.checks.sampled``), after each layer's attention, on the
 select worker: how many of the exact top-k tokens of the *real* query had been prefetched, and
 the softmax mass on the prefetched set and on the exact top-k (:meth:`PrefetchEvents.prefetch`);
 with the set the layer attended, that set's recall against ``host_sync``'s set for the same real
@@ -16,7 +16,7 @@ from dd_sglang.kernels import native as native_kernel
 
 
 class StepBlocks:
-    """``plan.blocks.take(rows)`` for a plan's named rows (``verify``, ``sampled``), taken once per
+    """``plan.selection.blocks.take(rows)`` for a plan's named rows (``verify``, ``sampled``), taken once per
     step: every layer reads the same rows, and the taken blocks keep their ``tokens``."""
 
     def __init__(self):
@@ -29,7 +29,7 @@ class StepBlocks:
             self.plan, self.taken = plan, {}
         blocks = self.taken.get(name)
         if blocks is None:
-            blocks = self.taken[name] = plan.blocks.take(rows)
+            blocks = self.taken[name] = plan.selection.blocks.take(rows)
         return blocks
 
 
@@ -82,39 +82,39 @@ class HitRateProbe:
         """Hit rate of the sampled rows' prefetched sets against the exact top-k of the real queries
         ``q`` (``[n, Hq, D]``); with ``attended`` (``[n_ahead, Hkv, k]`` host slots the layer attended),
         the recall of that set against ``host_sync``'s set for the same real query."""
-        rows = plan.sampled
+        rows = plan.checks.sampled
         if attended is not None:
             self._recall(plan, layer, q, scale, attended[rows])
         blocks = self.blocks.take(plan, "sampled", rows)
-        host_k = self.host.k[layer]
-        kr = plan.top_k[rows].view(-1, 1, 1)
-        have = plan.fixed_pos[layer][rows]
-        hkv = have.shape[1]
+        host_k, k = self.host.k[layer], plan.layout.k
+        kr = plan.selection.top_k[rows].view(-1, 1, 1)
+        have = plan.fixed.pos[layer][rows]
+        hkv, labels = have.shape[1], plan.requests.labels
         if self.native:
             slots, ok = blocks.tokens
             h, mh, mt = native_kernel.measure_hits(q, slots, ok, host_k, have, kr.flatten(), scale)
             hits, mass_have, mass_top = h.sum(dim=1), mh.sum(dim=1), mt.sum(dim=1)
         else:
-            hits, mass_have, mass_top = hit_counts_torch(self.exact, plan.k, blocks, host_k, q, kr, have, scale)
+            hits, mass_have, mass_top = hit_counts_torch(self.exact, k, blocks, host_k, q, kr, have, scale)
         for i, j in enumerate(rows.tolist()):
-            sel, spec = plan.labels[j]
+            sel, spec = labels[j]
             self.events.prefetch(sel, spec, layer, int(hits[i]), hkv * int(kr[i]),
                                  float(mass_have[i]), float(mass_top[i]))  # fmt: skip
 
     def _recall(self, plan, layer: int, q: torch.Tensor, scale: float, attended: torch.Tensor) -> None:
         """Tokens of ``host_sync``'s set for the sampled rows' real queries ``q`` that their attended sets
         (``[n, Hkv, k]`` host slots) hold, per row (:meth:`PrefetchEvents.recall`)."""
-        rows = plan.sampled
+        rows = plan.checks.sampled
         blocks = self.blocks.take(plan, "sampled", rows)
-        _, want = self.host_sync.select(q, blocks, self.host.k[layer], plan.k, scale, self.indexes.index("host"),
-                                        layer)  # fmt: skip
-        kr = plan.top_k[rows].view(-1, 1, 1)
-        cols = torch.arange(plan.k)
+        k = plan.layout.k
+        _, want = self.host_sync.select(q, blocks, self.host.k[layer], k, scale, self.indexes.index("host"), layer)
+        kr = plan.selection.top_k[rows].view(-1, 1, 1)
+        cols = torch.arange(k)
         big = torch.iinfo(torch.int64).max  # padding past a row's top_k: matches no slot
         held = torch.where(cols < kr, attended, big).sort(dim=2).values
-        at = torch.searchsorted(held, want).clamp(max=plan.k - 1)
+        at = torch.searchsorted(held, want).clamp(max=k - 1)
         found = (held.gather(2, at) == want) & (cols < kr)
-        hkv = want.shape[1]
+        hkv, labels = want.shape[1], plan.requests.labels
         for i, j in enumerate(rows.tolist()):
-            sel, spec = plan.labels[j]
+            sel, spec = labels[j]
             self.events.recall(sel, spec, int(found[i].sum()), hkv * int(kr[i]))

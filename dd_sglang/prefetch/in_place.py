@@ -62,13 +62,14 @@ class InPlaceSets:
         reads), the rest -1; None for a step that does not read in place or has exact rows (their
         dense call reads the ring)."""
         self.table = None
-        if not self.reads(plan) or plan.exact_rows:
+        if not self.reads(plan) or plan.exact.batch_rows:
             return
         n_layers, hkv = self.host.layer_num, self.host.k.shape[2]
-        table = torch.full((n_layers, plan.num_rows, hkv, plan.k), -1, dtype=torch.int64)
+        table = torch.full((n_layers, plan.num_rows, hkv, plan.layout.k), -1, dtype=torch.int64)
         if plan.n_fixed:
-            reads = plan.mask[: plan.n_fixed, 0, plan.n_res : plan.n_res + plan.k].to("cpu")  # [n_fixed, k]
-            table[:, : plan.n_fixed, :, : plan.k] = torch.where(reads[None, :, None, :], plan.fixed_slots, -1)
+            n_res, k = plan.layout.n_res, plan.layout.k
+            reads = plan.layout.mask[: plan.n_fixed, 0, n_res : n_res + k].to("cpu")  # [n_fixed, k]
+            table[:, : plan.n_fixed, :, :k] = torch.where(reads[None, :, None, :], plan.fixed.slots, -1)
             self.rows_read = int(reads.sum()) * hkv
         else:
             self.rows_read = 0
@@ -76,7 +77,7 @@ class InPlaceSets:
 
     def record(self, plan, layer: int, rows: torch.Tensor, slots: torch.Tensor, c0: int) -> None:
         """Record host slots ``slots`` (``[n, Hkv, w]``) as columns ``[c0, c0 + w)`` of plan rows ``rows``."""
-        j = c0 - plan.n_res
+        j = c0 - plan.layout.n_res
         self.table[layer, rows, :, j : j + slots.shape[2]] = slots
         self.tally.copied += 2 * int(slots.numel()) * self.host.k.shape[3] * self.host.k.element_size()
 
@@ -88,11 +89,11 @@ class InPlaceSets:
         if self.table is None:
             return
         if fused:
-            self.layer_sets = (self.host.k[layer], self.host.v[layer], self.table[layer], plan.n_res)
+            self.layer_sets = (self.host.k[layer], self.host.v[layer], self.table[layer], plan.layout.n_res)
             self.tally.copied += 2 * self.rows_read * self.host.k.shape[3] * self.host.k.element_size()
             return
         crit = self.table[layer]  # a -1 column is masked (never read): any host row may fill it
         self.tally.copied += self.gather.copy(layer, flat_rows(crit.clamp(min=0)), slot_k, slot_v,
-                                              slice(0, plan.num_rows), plan.n_res, crit.shape[2],
+                                              slice(0, plan.num_rows), plan.layout.n_res, crit.shape[2],
                                               layer % self.ring.n_slots)  # fmt: skip
         crit.fill_(-1)

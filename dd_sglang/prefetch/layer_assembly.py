@@ -22,7 +22,7 @@ def fused_takes(plan, q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
     ``[tokens, Hq, D]`` queries, ``k_buf``/``v_buf`` the device pool's ``[slots, Hkv, D]`` buffers."""
     d, st = k_buf.shape[2], q3.stride()
     return (q3.dtype in (torch.bfloat16, torch.float32) and st[2] == 1 and st[1] == d and v_buf.shape[2] == d
-            and plan.positions * (q3.shape[1] // k_buf.shape[1]) <= native_kernel.MAX_QUERIES
+            and plan.layout.positions * (q3.shape[1] // k_buf.shape[1]) <= native_kernel.MAX_QUERIES
             and d <= native_kernel.MAX_HEAD_DIM)  # fmt: skip
 
 
@@ -57,17 +57,19 @@ class FastAssembly:
         d = k_buf.shape[2]
         rows = self.layer_rows(plan, q3.shape[1], slot_k.shape)
         row_bytes = d * k_buf.element_size()
-        if not fused or plan.exact_rows:  # the fused kernel reads the resident set from the pool itself
+        if not fused or plan.exact.batch_rows:  # the fused kernel reads the resident set from the pool itself
             native_kernel.gather_rows_unchecked(k_buf.data_ptr(), v_buf.data_ptr(), slot_k.data_ptr(),
                                                 slot_v.data_ptr(), rows.res_src, rows.res_dst, row_bytes)  # fmt: skip
-        if rows.spec_dst.numel():
+        spec_kv = rows.spec
+        if spec_kv.dst.numel():
             for new, slot, dst in ((k3, slot_k, keys), (v3, slot_v, values)):
                 st = new.stride()
                 if new.dtype == slot.dtype and st[2] == 1 and st[1] == d and st[0] % d == 0:
-                    native_kernel.copy_rows_unchecked(new.data_ptr(), slot.data_ptr(), rows.spec_src(st[0] // d),
-                                                      rows.spec_dst, row_bytes)  # fmt: skip
+                    native_kernel.copy_rows_unchecked(new.data_ptr(), slot.data_ptr(), spec_kv.src(st[0] // d),
+                                                      spec_kv.dst, row_bytes)  # fmt: skip
                 else:
-                    dst[plan.spec_rows, :, plan.spec_cols] = new[plan.spec_tokens].to(dst.dtype)
+                    spec = plan.spec
+                    dst[spec.rows, :, spec.cols] = new[spec.tokens].to(dst.dtype)
         if fused:
             self.slot = (slot_k, slot_v, k_buf, v_buf)
             return None
@@ -77,10 +79,10 @@ class FastAssembly:
     def attend(self, q3: torch.Tensor, out: torch.Tensor, scale: float, in_place_sets: tuple | None) -> None:
         """The fused C attention of every sparse row over the layer's ring slot, into ``out``
         (``[tokens, Hq, Dv]``); ``in_place_sets``: the layer's in-place critical sets, or None."""
-        rows = self.rows
+        f = self.rows.fused
         slot_k, slot_v, pool_k, pool_v = self.slot
-        native_kernel.sparse_attend(q3, rows.q_tok, slot_k, slot_v, rows.mask, out, rows.out_tok, scale,
-                                    (pool_k, pool_v, rows.res_slots), in_place_sets)  # fmt: skip
+        native_kernel.sparse_attend(q3, f.q_tok, slot_k, slot_v, f.mask, out, f.out_tok, scale,
+                                    (pool_k, pool_v, f.res_slots), in_place_sets)  # fmt: skip
 
     @staticmethod
     def scatter(plan, rows: LayerRows | None, o: torch.Tensor, out: torch.Tensor) -> None:
@@ -91,7 +93,8 @@ class FastAssembly:
         if rows is not None:
             out.view(-1, dv).index_copy_(0, rows.out_dst, o.reshape(-1, dv).index_select(0, rows.out_src).to(out.dtype))
             return
-        o = unfold_gqa(o, plan.positions).to(out.dtype)
+        o = unfold_gqa(o, plan.layout.positions).to(out.dtype)
         out[plan.rows.to(out.device)] = o[:, 0]
-        if plan.spec_rows.numel():
-            out[plan.spec_tokens] = o[plan.spec_rows, plan.spec_slots]
+        spec = plan.spec
+        if spec.rows.numel():
+            out[spec.tokens] = o[spec.rows, spec.query_pos]

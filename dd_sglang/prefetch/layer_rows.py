@@ -9,23 +9,24 @@ move instead of a chain of indexing, permuting and reshaping operations
 
 * **Queries.** ``q_rows``: rows of the layer's queries viewed ``[tokens x Hq,
   D]`` in the folded order the sparse attention reads, ``[R, Hkv, P x G, D]``
-  (what :func:`~dd_sglang.kernels.sparse_decode.fold_gqa` of ``q3[plan.qidx]``
+  (what :func:`~dd_sglang.kernels.sparse_decode.fold_gqa` of ``q3[plan.layout.qidx]``
   gives).
 * **Outputs.** ``out_src`` / ``out_dst``: rows of the attention output viewed
   ``[R x Hkv x P x G, Dv]`` and the layer output rows ``[tokens x Hq, Dv]``
   they go to (the real query of each row and each speculated position).
 * **Resident set.** ``res_src`` / ``res_dst``: device-pool rows (``[slots x
   Hkv, D]``) and ring-slot rows of columns ``[0, n_res)``.
-* **Speculated K/V.** ``spec_dst``: the ring-slot row of each speculated
+* **Speculated K/V.** ``spec.dst``: the ring-slot row of each speculated
   token's own column per KV head; its source row depends on the stride of
-  the layer's new K/V (:meth:`LayerRows.spec_src`).
+  the layer's new K/V (:meth:`SpecKVRows.src`; both in ``LayerRows.spec``).
 * **Fixed sets.** ``fixed_src`` ``[layers, m]``: host-tier rows (``[slots x
   Hkv, D]`` per layer) of the fixed rows' critical sets; ``fixed_dst``:
   their ring-slot rows (columns ``[n_res, n_res + k)``).
 * **Fused attention** (:func:`~dd_sglang.kernels.native.sparse_attend`): ``q_tok`` /
   ``out_tok`` ``[R, P]``, each query position's input token and output token (-1: no token
   rides there), the step's mask, contiguous, and ``res_slots`` ``[R, n_res]``, the device-pool
-  slots of the resident columns (the kernel reads them from the pool, not the ring).
+  slots of the resident columns (the kernel reads them from the pool, not the ring); together
+  ``LayerRows.fused``.
 * **Selection queries.** ``sel_rows``: per ahead group, rows of the layer's
   queries in the order :func:`~dd_sglang.prefetch.ahead_selection.selection_queries`
   returns them (``[n, Hkv x Q x G, D]``).
@@ -47,6 +48,36 @@ from dd_sglang.prefetch.plan import StepPlan
 
 
 @dataclass
+class SpecKVRows:
+    """Where the speculated tokens' own K/V go (module docstring, "Speculated K/V"); ``[n]`` int64:
+    ``dst`` the ring-slot row per token and KV head, ``token`` / ``head`` its token and KV head."""
+
+    dst: torch.Tensor
+    token: torch.Tensor
+    head: torch.Tensor
+    _src: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def src(self, token_stride: int) -> torch.Tensor:
+        """Source rows of the speculated K (or V) for new K/V whose token stride is ``token_stride``
+        rows of ``head_dim`` (``k3.stride(0) // head_dim``; heads ``head_dim`` apart)."""
+        src = self._src.get(token_stride)
+        if src is None:
+            src = self._src[token_stride] = self.token * token_stride + self.head
+        return src
+
+
+@dataclass(frozen=True)
+class FusedAttendRows:
+    """The fused attention's inputs (module docstring, "Fused attention"), contiguous CPU tensors:
+    ``q_tok`` / ``out_tok`` ``[R, P]`` int64, ``mask`` ``[R, P, N]`` bool, ``res_slots`` ``[R, n_res]`` int64."""
+
+    q_tok: torch.Tensor
+    out_tok: torch.Tensor
+    mask: torch.Tensor
+    res_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class LayerRows:
     """One step's flat row indices (module docstring); ``[n]`` int64 CPU tensors."""
 
@@ -55,23 +86,9 @@ class LayerRows:
     out_dst: torch.Tensor
     res_src: torch.Tensor
     res_dst: torch.Tensor
-    spec_dst: torch.Tensor
-    spec_token: torch.Tensor
-    spec_head: torch.Tensor
+    spec: SpecKVRows
     sel_rows: tuple[torch.Tensor, ...]
-    q_tok: torch.Tensor
-    out_tok: torch.Tensor
-    mask: torch.Tensor
-    res_slots: torch.Tensor
-    _spec_src: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def spec_src(self, token_stride: int) -> torch.Tensor:
-        """Source rows of the speculated K (or V) for new K/V whose token stride is ``token_stride``
-        rows of ``head_dim`` (``k3.stride(0) // head_dim``; heads ``head_dim`` apart)."""
-        src = self._spec_src.get(token_stride)
-        if src is None:
-            src = self._spec_src[token_stride] = self.spec_token * token_stride + self.spec_head
-        return src
+    fused: FusedAttendRows
 
 
 def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) -> LayerRows:
@@ -83,45 +100,46 @@ def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) 
     """
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    r, p, g = plan.num_rows, plan.positions, hq // hkv
-    if slot_shape[0] < r or slot_shape[1] != hkv or slot_shape[2] < plan.columns:
-        raise ValueError(f"ring slot {tuple(slot_shape)} is smaller than the plan ({r} rows, {plan.columns} columns)")
+    r, p, g, c = plan.num_rows, plan.layout.positions, hq // hkv, plan.layout.columns
+    if slot_shape[0] < r or slot_shape[1] != hkv or slot_shape[2] < c:
+        raise ValueError(f"ring slot {tuple(slot_shape)} is smaller than the plan ({r} rows, {c} columns)")
     heads = torch.arange(hkv).view(1, hkv, 1, 1) * g + torch.arange(g).view(1, 1, 1, g)  # [1, Hkv, 1, G]
-    qidx = plan.qidx.to("cpu", torch.int64)
+    qidx = plan.layout.qidx.to("cpu", torch.int64)
     q_rows = (qidx.view(r, 1, p, 1) * hq + heads).flatten()  # [R, Hkv, P, G]
     # Outputs: each row's real query (position 0), then each speculated token at its position.
-    tok = torch.cat([plan.rows.to("cpu", torch.int64), plan.spec_tokens.to("cpu", torch.int64)])
-    row = torch.cat([torch.arange(r), plan.spec_rows.to("cpu", torch.int64)])
-    pos = torch.cat([torch.zeros(r, dtype=torch.int64), plan.spec_slots.to("cpu", torch.int64)])
+    tok = torch.cat([plan.rows.to("cpu", torch.int64), plan.spec.tokens.to("cpu", torch.int64)])
+    row = torch.cat([torch.arange(r), plan.spec.rows.to("cpu", torch.int64)])
+    pos = torch.cat([torch.zeros(r, dtype=torch.int64), plan.spec.query_pos.to("cpu", torch.int64)])
     h = torch.arange(hkv).view(1, hkv, 1)
     gg = torch.arange(g).view(1, 1, g)
     out_src = (((row.view(-1, 1, 1) * hkv + h) * p + pos.view(-1, 1, 1)) * g + gg).flatten()
     out_dst = (tok.view(-1, 1, 1) * hq + h * g + gg).flatten()
     columns = slot_shape[2]
-    res = plan.res_slots.to("cpu", torch.int64)  # [R, n_res], the same slots for every KV head
+    res = plan.layout.res_slots.to("cpu", torch.int64)  # [R, n_res], the same slots for every KV head
     res_src = flat_rows(res.unsqueeze(1).expand(-1, hkv, -1))
     res_dst = ring_rows(torch.arange(r), hkv, columns, 0, res.shape[1])
-    spec_rows = plan.spec_rows.to("cpu", torch.int64).view(-1, 1)
-    spec_cols = plan.spec_cols.to("cpu", torch.int64).view(-1, 1)
+    spec_rows = plan.spec.rows.to("cpu", torch.int64).view(-1, 1)
+    spec_cols = plan.spec.cols.to("cpu", torch.int64).view(-1, 1)
     hv = torch.arange(hkv).view(1, hkv)
     spec_dst = ((spec_rows * hkv + hv) * columns + spec_cols).flatten()
-    spec_token = plan.spec_tokens.to("cpu", torch.int64).view(-1, 1).expand(-1, hkv).flatten()
+    spec_token = plan.spec.tokens.to("cpu", torch.int64).view(-1, 1).expand(-1, hkv).flatten()
     spec_head = hv.expand(spec_rows.shape[0], hkv).flatten()
     sel = []
-    for grp in plan.ahead:
+    for grp in plan.selection.ahead:
         query = grp.query.to("cpu", torch.int64)  # [n, Q]
         n, nq = query.shape
         sel.append((query.view(n, 1, nq, 1) * hq + heads).flatten())  # [n, Hkv, Q, G]
     out_tok = torch.full((r, p), -1, dtype=torch.int64)
     out_tok[row, pos] = tok
-    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, spec_dst, spec_token, spec_head, tuple(sel),
-                     qidx.contiguous(), out_tok, plan.mask.to("cpu").contiguous(), res.contiguous())  # fmt: skip
+    fused = FusedAttendRows(qidx.contiguous(), out_tok, plan.layout.mask.to("cpu").contiguous(), res.contiguous())
+    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, SpecKVRows(spec_dst, spec_token, spec_head),
+                     tuple(sel), fused)  # fmt: skip
 
 
 def fixed_rows(plan: StepPlan, hkv: int, slot_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
     """Host-tier source rows of every layer's fixed sets, ``[layers, n_fixed x Hkv x k]`` int64, and
     their ring-slot rows ``[n_fixed x Hkv x k]`` (columns ``[n_res, n_res + k)`` of plan rows
     ``[0, n_fixed)``), in the order :func:`~dd_sglang.prefetch.gather.flat_rows` lists them."""
-    src = flat_rows(plan.fixed_slots)  # [L, n_fixed, Hkv, k] -> [L, n_fixed x Hkv x k]
-    dst = ring_rows(torch.arange(plan.n_fixed), hkv, slot_shape[2], plan.n_res, plan.k)
+    src = flat_rows(plan.fixed.slots)  # [L, n_fixed, Hkv, k] -> [L, n_fixed x Hkv x k]
+    dst = ring_rows(torch.arange(plan.n_fixed), hkv, slot_shape[2], plan.layout.n_res, plan.layout.k)
     return src, dst

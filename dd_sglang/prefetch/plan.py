@@ -2,15 +2,15 @@
 
 :func:`build_step_plan` runs in the attention backend's
 ``init_forward_metadata`` (SGLang's per-step seam) and returns one immutable
-:class:`StepPlan`, which travels on the forward batch (``forward_batch.dd_plan``).
+:class:`~dd_sglang.prefetch.step_plan.StepPlan`, which travels on the forward batch (``forward_batch.dd_plan``).
 Everything that needs Python, host syncs or per-request lookups happens here,
 once; the per-layer path (:mod:`dd_sglang.prefetch.runner`) only indexes
 tensors. Building a plan:
 
 1. **Rows.** Each decode row whose request is ``DECODE_SPARSE`` is a sparse
    row. Its resident positions (sinks, kept tokens, window) become device slots
-   ``res_slots`` (padded, masked); its candidates (host-tier positions outside
-   the resident set) become :class:`~dd_sglang.prefetch.index.RowBlocks`.
+   ``layout.res_slots`` (padded, masked); its candidates (host-tier positions outside
+   the resident set) become :class:`~dd_sglang.prefetch.scoring.RowBlocks`.
 2. **Speculation.** Rows whose selector reads a speculated query verify last
    step's speculated token against the real one, then ask their speculator
    for the next; each proposal is appended to ``forward_batch.input_ids`` /
@@ -31,12 +31,12 @@ tensors. Building a plan:
 4. **Attention layout.** Per row, columns ``[0, n_res)`` hold the resident
    set, ``[n_res, n_res + k)`` the critical set, then one column for the speculated token's own K/V. The
    mask ``[rows, 2, columns]`` says which columns each of the two queries (real,
-   speculated) reads. The *ahead* rows under ``experimental.miss_policy: verify`` (``verify_rows``)
+   speculated) reads. The *ahead* rows under ``experimental.miss_policy: verify`` (``checks.verify_rows``)
    have their critical-set columns checked against the real query's own set at each layer
    (:mod:`dd_sglang.prefetch.verify`): what the prediction missed is swapped in before attention.
 5. **Exact rows.** A *full* row needs no prediction (its next set is again its
    whole context), so no token rides for it and the batch has dense's shape.
-   ``exact_cols`` lists, per full row, its columns in position order; the
+   ``exact.cols`` lists, per full row, its columns in position order; the
    backend attends it with dense's own call
    (:func:`dd_sglang.kernels.sparse_decode.dense_decode_attention`), so its
    output is the dense path's bit for bit, not merely up to rounding.
@@ -47,10 +47,10 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from dd_sglang.prefetch.index import RowBlocks, row_blocks
 from dd_sglang.prefetch.plan_rows import (
     PlanRow,
     classify,
@@ -61,110 +61,27 @@ from dd_sglang.prefetch.plan_rows import (
     update_indexes,
 )
 from dd_sglang.prefetch.predictions import NextSets, PredictionStore, RequestPrediction
-from dd_sglang.prefetch.selectors import Selector
-from dd_sglang.prefetch.speculators import SpecState, Speculator
+from dd_sglang.prefetch.scoring import RowBlocks, row_blocks
+from dd_sglang.prefetch.selectors import SELECTORS, Selector, make_selector
+from dd_sglang.prefetch.speculators import SPECULATORS, Speculator, make_speculator
+from dd_sglang.prefetch.step_plan import (
+    CheckedRows,
+    ColumnLayout,
+    ExactRows,
+    FixedSets,
+    RidingTokens,
+    RowRequests,
+    SelectionGroup,
+    Selections,
+    StepPlan,
+)
 
-__all__ = ["NextSets", "PlanInputs", "PredictionStore", "RequestPrediction", "SelectionGroup", "StepPlan",
+if TYPE_CHECKING:
+    from dd_sglang.prefetch.params import PrefetchParams
+
+__all__ = ["CheckedRows", "ColumnLayout", "ExactRows", "FixedSets", "NextSets", "PlanInputs", "PredictionStore",
+           "RequestPrediction", "RidingTokens", "RowRequests", "SelectionGroup", "Selections", "StepPlan",
            "build_step_plan"]
-
-
-@dataclass(frozen=True)
-class SelectionGroup:
-    """Rows that one selector serves at once.
-
-    ``rows``: ``[n]`` int64 plan rows; ``query``: ``[n, Q]`` int64 token indices of the queries
-    that drive the selection (the speculated positions, or the real one); ``blocks``: their
-    :class:`RowBlocks`; ``k``: the largest ``top_k`` among them (columns past a row's own
-    ``top_k`` are masked); ``dest``: for next-step selections, the rows' indices in
-    :attr:`NextSets.rids`.
-    """
-
-    selector: Selector
-    rows: torch.Tensor
-    query: torch.Tensor
-    blocks: RowBlocks
-    k: int
-    dest: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One sparse decode step (module docstring). Tensors on the CPU unless said otherwise.
-
-    Attributes:
-        rows: ``[R]`` int64 batch rows of the sparse requests, in plan order.
-        rids: their request ids.
-        batch_size: the batch's real rows (speculated positions follow them).
-        n_ahead, n_fixed: plan rows ``[0, n_ahead)`` have sets chosen last step, ``[n_ahead,
-            n_fixed)`` take every candidate, ``[n_fixed, R)`` select at attention time.
-        fixed_pos, fixed_slots: ``[layers, n_fixed, Hkv, k]`` int64 positions / host slots of the
-            fixed rows' critical sets (padding points at slot 0, masked; may be an expanded view).
-        sync: selections at attention time (groups of rows ``[n_fixed, R)``).
-        ahead: selections of the next step's sets, made after each layer's attention.
-        blocks: every row's candidate blocks.
-        k: critical-set columns (the largest ``top_k``).
-        n_res: resident columns; ``res_slots``: ``[R, n_res]`` int64 device slots (device).
-        verify_rows: ``[n]`` int64 ahead plan rows whose prefetched sets are verified against the
-            real query's set at every layer (``experimental.miss_policy: verify``).
-        positions: query positions per row, ``1 + S`` (the real one, then up to ``S``
-            speculated ones: 0, 1, or 2 with ``experimental.branches: 2``).
-        qidx: ``[R, positions]`` int64 token index of each row's queries (the real one again
-            where fewer tokens ride), device.
-        spec_rows, spec_slots, spec_tokens, spec_cols: ``[T]`` int64 per speculated token: its
-            plan row, its query position (1..S), its token index and its own K/V column (device).
-        spec_states: per speculated token, in token order, ``(SpecState, riding index)``.
-        mask: ``[R, positions, columns]`` bool (device): the columns each row's queries read.
-        top_k: ``[R]`` int64 each row's critical-set budget.
-        sampled: ``[n]`` int64 ahead rows whose prefetch hit rate this step measures.
-        rejected: per plan row, its speculated token was rejected this step.
-        labels: per plan row, ``(selector, speculator)`` names for the metrics.
-        started: ``time.perf_counter()`` when planning began.
-        exact_rows: batch rows of the full rows whose columns cover positions ``[0, seq_len)``.
-        exact_cols: per exact row, ``[seq_len]`` int64 (device): its ring columns in position
-            order (module docstring, step 5).
-        seeds: per plan row, its request's sampling seed (``experimental.sampling: coupled``,
-            :mod:`dd_sglang.attention.coupling`); empty otherwise.
-    """
-
-    rows: torch.Tensor
-    rids: tuple[str, ...]
-    batch_size: int
-    n_ahead: int
-    n_fixed: int
-    fixed_pos: torch.Tensor
-    fixed_slots: torch.Tensor
-    sync: tuple[SelectionGroup, ...]
-    ahead: tuple[SelectionGroup, ...]
-    blocks: RowBlocks
-    k: int
-    n_res: int
-    res_slots: torch.Tensor
-    verify_rows: torch.Tensor
-    positions: int
-    qidx: torch.Tensor
-    spec_rows: torch.Tensor
-    spec_slots: torch.Tensor
-    spec_tokens: torch.Tensor
-    spec_cols: torch.Tensor
-    spec_states: tuple[tuple[SpecState, int], ...]
-    mask: torch.Tensor
-    top_k: torch.Tensor
-    sampled: torch.Tensor
-    rejected: tuple[bool, ...]
-    labels: tuple[tuple[str, str], ...]
-    started: float
-    exact_rows: tuple[int, ...] = ()
-    exact_cols: tuple[torch.Tensor, ...] = ()
-    seeds: tuple[int, ...] = ()
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.rows.numel())
-
-    @property
-    def columns(self) -> int:
-        """Attention columns per row: resident, critical, one per speculated position."""
-        return self.n_res + self.k + max(self.positions - 1, 1)
 
 
 @dataclass(frozen=True)
@@ -185,6 +102,26 @@ class PlanInputs:
     rng: random.Random
     real_query: str = "never"
     sampling: str = "coupled"
+
+    @classmethod
+    def from_params(cls, params: PrefetchParams, req_to_token: torch.Tensor, make_index, native: bool,
+                    seed: int) -> PlanInputs:  # fmt: skip
+        """The runner's inputs: one selector per name of :data:`SELECTORS` (the C kernel where
+        ``native``), one speculator per name of :data:`SPECULATORS`, a fresh prediction store, the
+        preset's miss policy, sampling and hit-rate settings, and a hit-rate sampling RNG seeded
+        with ``seed``."""
+        return cls(
+            req_to_token=req_to_token,
+            selectors={name: make_selector(name, params.rerank, native) for name in SELECTORS},
+            speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
+            store=PredictionStore(),
+            make_index=make_index,
+            miss_policy=params.miss_policy,
+            hit_rate_sample=params.hit_rate_sample,
+            rng=random.Random(seed),
+            real_query=params.real_query,
+            sampling=params.sampling,
+        )
 
 
 def _fixed_sets(rows: list[PlanRow], nxt: NextSets, n_ahead: int, n_fixed: int, k: int, hkv: int, n_layers: int):
@@ -246,54 +183,95 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     nxt = inp.store.next_sets
     rows = classify(rows, nxt, rt.host.layer_num)
     update_indexes(rows, inp, lambda r: r.st.host_len)
-    n = len(rows)
     n_ahead = sum(r.kind == "ahead" for r in rows)
     n_fixed = n_ahead + sum(r.kind == "full" for r in rows)
     k = max(1, max(r.st.choice.top_k if r.kind != "full" else r.cand.numel() for r in rows))
-    fixed_pos, fixed_slots = _fixed_sets(rows, nxt, n_ahead, n_fixed, k, rt.host.k.shape[2], rt.host.layer_num)
-    blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
-                        [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
+    fixed = FixedSets(*_fixed_sets(rows, nxt, n_ahead, n_fixed, k, rt.host.k.shape[2], rt.host.layer_num))
     spec, spec_tok, qidx = _ride(fb, rows)
-    ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
-    # This step's lookahead selections fill a fresh NextSets (the previous one was read above).
-    inp.store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
-                                   max((rows[j].st.choice.top_k for j in ahead_rows), default=1), rt.host.layer_num)  # fmt: skip
-    verify = [j for j in range(n_ahead) if (rows[j].st.choice.miss_policy or inp.miss_policy) == "verify"]
-    n_res = max(int(r.dev_pos.numel()) for r in rows)
-    positions = qidx.shape[1]
-    own = max(positions - 1, 1)
-    cols = n_res + k + own
+    ahead_rows = _renew_next_sets(rows, inp.store, rt.host.layer_num)
     dev = fb.input_ids.device
-    exact = [(j, _exact_cols(rows[j], n_res)) for j in range(n_ahead, n_fixed)]
-    exact = [(j, c) for j, c in exact if c is not None]
+    layout = _column_layout(fb, rows, inp.req_to_token, k, qidx, dev)
     return StepPlan(
         rows=torch.tensor([r.batch_row for r in rows], dtype=torch.int64),
-        rids=tuple(r.st.rid for r in rows),
         batch_size=fb.batch_size,
         n_ahead=n_ahead,
         n_fixed=n_fixed,
-        fixed_pos=fixed_pos,
-        fixed_slots=fixed_slots,
-        sync=tuple(_groups(rows, range(n_fixed, n), blocks, qidx, use_spec=False)),
-        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True, real_query=inp.real_query)),
+        started=started,
+        fixed=fixed,
+        selection=_selections(rows, n_fixed, ahead_rows, qidx, inp.real_query),
+        layout=layout,
+        spec=_riding_tokens(rows, spec, spec_tok, layout.n_res + layout.k, dev),
+        checks=_checked_rows(rows, n_ahead, inp),
+        requests=_row_requests(rows, inp.sampling),
+        exact=_exact_rows(rows, n_ahead, n_fixed, layout.n_res, dev),
+    )
+
+
+def _renew_next_sets(rows: list[PlanRow], store: PredictionStore, n_layers: int) -> list[int]:
+    """Give ``store`` a fresh :class:`NextSets` for this step's lookahead selections (the previous
+    one was read by :func:`_fixed_sets`); returns the plan rows that fill it, in its order."""
+    ahead_rows = [j for j, r in enumerate(rows) if r.selector.lookahead and r.kind != "full"]
+    store.next_sets = NextSets(tuple(rows[j].st.rid for j in ahead_rows),
+                               max((rows[j].st.choice.top_k for j in ahead_rows), default=1), n_layers)  # fmt: skip
+    return ahead_rows
+
+
+def _selections(rows: list[PlanRow], n_fixed: int, ahead_rows: list[int], qidx: torch.Tensor,
+                real_query: str) -> Selections:  # fmt: skip
+    """:class:`Selections`: the sync rows ``[n_fixed, R)`` grouped on the real query, the
+    lookahead ``ahead_rows`` on their speculated ones, over every row's candidate blocks."""
+    blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
+                        [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
+    return Selections(
+        sync=tuple(_groups(rows, range(n_fixed, len(rows)), blocks, qidx, use_spec=False)),
+        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True, real_query=real_query)),
         blocks=blocks,
-        k=k,
-        n_res=n_res,
-        res_slots=_resident_slots(fb, rows, inp.req_to_token, n_res).to(dev),
-        verify_rows=torch.tensor(verify, dtype=torch.int64),
-        positions=positions,
-        qidx=qidx.to(dev),
-        **_spec_fields(rows, spec, spec_tok, cols - own, dev),
-        mask=_mask(rows, n_res, k, positions, cols).to(dev),
         top_k=torch.tensor([r.st.choice.top_k for r in rows], dtype=torch.int64),
-        sampled=torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64),
+    )
+
+
+def _column_layout(fb, rows: list[PlanRow], req_to_token: torch.Tensor, k: int, qidx: torch.Tensor,
+                   dev) -> ColumnLayout:  # fmt: skip
+    """:class:`ColumnLayout` of ``rows`` with ``k`` critical columns and :func:`_ride`'s ``qidx``
+    (``[R, positions]`` int64 on the CPU); tensors moved to ``dev``."""
+    n_res = max(int(r.dev_pos.numel()) for r in rows)
+    positions = qidx.shape[1]
+    cols = n_res + k + max(positions - 1, 1)
+    return ColumnLayout(
+        n_res=n_res,
+        k=k,
+        positions=positions,
+        res_slots=_resident_slots(fb, rows, req_to_token, n_res).to(dev),
+        qidx=qidx.to(dev),
+        mask=_mask(rows, n_res, k, positions, cols).to(dev),
+    )
+
+
+def _checked_rows(rows: list[PlanRow], n_ahead: int, inp: PlanInputs) -> CheckedRows:
+    """:class:`CheckedRows` among the ahead rows ``[0, n_ahead)``: those under the ``verify`` miss
+    policy (the row's own, else ``inp.miss_policy``), and a ``inp.hit_rate_sample`` share drawn from
+    ``inp.rng`` (one draw per ahead row, in order)."""
+    verify = [j for j in range(n_ahead) if (rows[j].st.choice.miss_policy or inp.miss_policy) == "verify"]
+    sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
+    return CheckedRows(torch.tensor(verify, dtype=torch.int64), torch.tensor(sampled, dtype=torch.int64))
+
+
+def _row_requests(rows: list[PlanRow], sampling: str) -> RowRequests:
+    """:class:`RowRequests` of ``rows``; seeds only under ``coupled`` ``sampling``."""
+    return RowRequests(
+        rids=tuple(r.st.rid for r in rows),
         rejected=tuple(r.rejected for r in rows),
         labels=tuple((r.selector.name, r.st.choice.speculator if r.selector.uses_speculator else "none") for r in rows),
-        started=started,
-        exact_rows=tuple(rows[j].batch_row for j, _ in exact),
-        exact_cols=tuple(c.to(dev) for _, c in exact),
-        seeds=tuple(row_seed(r) for r in rows) if inp.sampling == "coupled" else (),
+        seeds=tuple(row_seed(r) for r in rows) if sampling == "coupled" else (),
     )
+
+
+def _exact_rows(rows: list[PlanRow], n_ahead: int, n_fixed: int, n_res: int, dev) -> ExactRows:
+    """:class:`ExactRows`: the full rows ``[n_ahead, n_fixed)`` whose columns hold exactly their
+    context (:func:`_exact_cols`), columns moved to ``dev``."""
+    exact = [(j, _exact_cols(rows[j], n_res)) for j in range(n_ahead, n_fixed)]
+    exact = [(j, c) for j, c in exact if c is not None]
+    return ExactRows(tuple(rows[j].batch_row for j, _ in exact), tuple(c.to(dev) for _, c in exact))
 
 
 def _resident_slots(fb, rows: list[PlanRow], req_to_token: torch.Tensor, n_res: int) -> torch.Tensor:
@@ -304,22 +282,22 @@ def _resident_slots(fb, rows: list[PlanRow], req_to_token: torch.Tensor, n_res: 
                        for r in rows], n_res)  # fmt: skip
 
 
-def _spec_fields(rows: list[PlanRow], spec: list, spec_tok: dict, first_col: int, dev) -> dict:
-    """:class:`StepPlan`'s speculated-position fields from :func:`_ride`'s ``spec`` (``(row, s, _)``
-    per riding position) and ``spec_tok`` (its token by ``(row, s)``): int64 tensors on ``dev``
-    (``spec_rows``, ``spec_slots`` = ``s + 1``, ``spec_tokens``, ``spec_cols`` = ``first_col + s``,
-    the ring column after the row's own columns) and ``spec_states``."""
+def _riding_tokens(rows: list[PlanRow], spec: list, spec_tok: dict, first_col: int, dev) -> RidingTokens:
+    """:class:`RidingTokens` from :func:`_ride`'s ``spec`` (``(row, s, _)`` per riding position)
+    and ``spec_tok`` (its token by ``(row, s)``): int64 tensors on ``dev`` (``rows``, ``query_pos``
+    = ``s + 1``, ``tokens``, ``cols`` = ``first_col + s``, the ring column after the row's own
+    columns) and ``states``."""
 
     def t(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=dev)
 
-    return {
-        "spec_rows": t([j for j, _, _ in spec]),
-        "spec_slots": t([s + 1 for _, s, _ in spec]),
-        "spec_tokens": t([spec_tok[(j, s)] for j, s, _ in spec]),
-        "spec_cols": t([first_col + s for _, s, _ in spec]),
-        "spec_states": tuple((rows[j].pred.spec, s) for j, s, _ in spec),
-    }
+    return RidingTokens(
+        rows=t([j for j, _, _ in spec]),
+        query_pos=t([s + 1 for _, s, _ in spec]),
+        tokens=t([spec_tok[(j, s)] for j, s, _ in spec]),
+        cols=t([first_col + s for _, s, _ in spec]),
+        states=tuple((rows[j].pred.spec, s) for j, s, _ in spec),
+    )
 
 
 def _exact_cols(r: PlanRow, n_res: int) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ The attention backend calls, per decode step and layer::
    would choose;
 3. gathers the resident set from the device pool (one index per K and V) and
    writes each speculated position's own K/V into its column;
-4. returns the folded queries and the slot's K/V (the step's mask, ``plan.mask``, says which
+4. returns the folded queries and the slot's K/V (the step's mask, ``plan.layout.mask``, says which
    columns each query reads).
 
 With ``experimental.transfer`` ``in_place`` nothing is copied in step 1, nor for the sync rows
@@ -50,7 +50,6 @@ the key indexes, the layer ring and the schedule.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -69,10 +68,8 @@ from dd_sglang.prefetch.layer_assembly import FastAssembly, fused_takes
 from dd_sglang.prefetch.layer_rows import fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, StepPlan, build_step_plan
-from dd_sglang.prefetch.predictions import PredictionStore
 from dd_sglang.prefetch.schedule import TransferSchedule
-from dd_sglang.prefetch.selectors import SELECTORS, make_selector
-from dd_sglang.prefetch.speculators import SPECULATORS, make_speculator
+from dd_sglang.prefetch.selectors import SELECTORS
 from dd_sglang.prefetch.verify import LayerVerification
 
 __all__ = ["PrefetchEvents", "SparseStepRunner", "use_native_kernel"]
@@ -94,26 +91,6 @@ def use_native_kernel(kernel: str) -> bool:
         raise RuntimeError(f"experimental.kernel: native, but the CPU selection kernel is unavailable "
                            f"({native_kernel.unavailable_reason()}); use auto or torch")  # fmt: skip
     return False
-
-
-def _plan_inputs(params: PrefetchParams, req_to_token: torch.Tensor, make_index, native: bool,
-                 seed: int) -> PlanInputs:  # fmt: skip
-    """The runner's :class:`PlanInputs`: one selector per name of :data:`SELECTORS` (the C kernel
-    where ``native``), one speculator per name of :data:`SPECULATORS`, a fresh prediction store,
-    the preset's miss policy, sampling and hit-rate settings, and a hit-rate sampling RNG seeded
-    with ``seed``."""
-    return PlanInputs(
-        req_to_token=req_to_token,
-        selectors={name: make_selector(name, params.rerank, native) for name in SELECTORS},
-        speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
-        store=PredictionStore(),
-        make_index=make_index,
-        miss_policy=params.miss_policy,
-        hit_rate_sample=params.hit_rate_sample,
-        rng=random.Random(seed),
-        real_query=params.real_query,
-        sampling=params.sampling,
-    )
 
 
 def _split_threads(params: PrefetchParams, cpu: bool) -> tuple[int, int] | None:
@@ -166,7 +143,7 @@ class SparseStepRunner:
                                     always=params.transfer == "in_place")  # fmt: skip
         self._log_choices(inline, native, params.transfer)
         self.indexes = KeyIndexes(host.k, device, native)
-        self.inputs = _plan_inputs(params, req_to_token, self.indexes.index, native, seed)
+        self.inputs = PlanInputs.from_params(params, req_to_token, self.indexes.index, native, seed)
         self.ahead = AheadSelection(host, self.schedule, self.inputs.store, self.indexes, self.tally, self.events,
                                     _split_threads(params, cpu), 1 if params.select == "split" else SPLIT_MIN_ROWS)  # fmt: skip
         blocks = StepBlocks()
@@ -218,7 +195,7 @@ class SparseStepRunner:
         if plan is None or not self.ring.shape:
             return 0
         n_slots, rows, hkv, _, d = self.ring.shape
-        return 2 * n_slots * rows * hkv * plan.k * d * self.ring.dtype.itemsize
+        return 2 * n_slots * rows * hkv * plan.layout.k * d * self.ring.dtype.itemsize
 
     def release(self, rid: str) -> None:
         """Drop a request's prediction state (the KV-cache runtime's release callback)."""
@@ -235,10 +212,10 @@ class SparseStepRunner:
             self.schedule.end_step()
             self.ring.release()
             return None
-        verified = set(plan.verify_rows.tolist())
-        self._use_misses = sum(plan.rejected[j] and j not in verified for j in range(plan.n_ahead))
+        verified = set(plan.checks.verify_rows.tolist())
+        self._use_misses = sum(plan.requests.rejected[j] and j not in verified for j in range(plan.n_ahead))
         self.probe.attended.clear()
-        self.ring.reserve(plan.num_rows, self.host.k.shape[2], plan.columns, self.host.k.shape[3])
+        self.ring.reserve(plan.num_rows, self.host.k.shape[2], plan.layout.columns, self.host.k.shape[3])
         self.in_place.begin(plan)
         if plan.n_fixed and self.in_place.table is None:
             self.schedule.begin_step(list(range(self.host.layer_num)), self._gather_fn(plan))
@@ -255,11 +232,11 @@ class SparseStepRunner:
         """The copy of layer ``l``'s fixed rows (plan rows ``[0, n_fixed)``) into its ring slot."""
         if self.fast:
             return self._fast_gather_fn(plan)
-        rows, c0, k = slice(0, plan.n_fixed), plan.n_res, plan.k
+        rows, c0, k = slice(0, plan.n_fixed), plan.layout.n_res, plan.layout.k
         gather, copied, n_slots = self.gather, self.events.copied, self.ring.n_slots
 
         def copy(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
-            src = flat_rows(plan.fixed_slots[layer])
+            src = flat_rows(plan.fixed.slots[layer])
             copied(gather.copy(layer, src, k_slot, v_slot, rows, c0, k, layer % n_slots))
 
         return copy
@@ -294,25 +271,26 @@ class SparseStepRunner:
 
         Returns:
             ``(q, keys, values)`` for the sparse attention (:class:`dd_sglang.kernels.dispatch.SparseAttention`,
-            which reads the columns from ``plan.mask``): ``[R, Hkv, P x group, D]`` (``P =
-            plan.positions``) and ``[R, Hkv, columns, D]`` views of the layer's ring slot; ``q`` None
+            which reads the columns from ``plan.layout.mask``): ``[R, Hkv, P x group, D]`` (``P =
+            plan.layout.positions``) and ``[R, Hkv, columns, D]`` views of the layer's ring slot; ``q`` None
             on the fast path where the fused C attention takes the layer (:meth:`attend` runs it).
         """
         if plan.n_fixed and self.in_place.table is None:
             slot_k, slot_v = self.schedule.wait(layer)
         else:
             slot_k, slot_v = self.ring.slot(layer)  # the whole slot: [reserved rows, Hkv, reserved columns, D]
-        r = plan.num_rows
-        keys, values = slot_k[:r, :, : plan.columns], slot_v[:r, :, : plan.columns]
+        r, c = plan.num_rows, plan.layout.columns
+        sync, verify = plan.selection.sync, plan.checks.verify_rows.numel()
+        keys, values = slot_k[:r, :, :c], slot_v[:r, :, :c]
         t0 = time.perf_counter()
-        for g in plan.sync:
+        for g in sync:
             self._sync_select(plan, g, layer, q3, scale)
-        if plan.verify_rows.numel():
+        if verify:
             self.verification.run(plan, layer, q3, scale, slot_k, slot_v)
-        elif plan.sampled.numel():
-            self.probe.attended[layer] = plan.fixed_slots[layer][: plan.n_ahead]
+        elif plan.checks.sampled.numel():
+            self.probe.attended[layer] = plan.fixed.slots[layer][: plan.n_ahead]
         t1 = time.perf_counter()
-        if plan.sync or plan.verify_rows.numel():
+        if sync or verify:
             self.tally.phase("select", t1 - t0)
         fast = self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous()
         fused = fast and fused_takes(plan, q3, k_buf, v_buf)
@@ -327,13 +305,14 @@ class SparseStepRunner:
     @staticmethod
     def _assemble(plan: StepPlan, q3, k3, v3, k_buf, v_buf, keys, values) -> torch.Tensor:
         """:meth:`layer_inputs`' resident set, speculated K/V and folded queries with PyTorch indexing."""
-        n_res = plan.n_res
-        keys[:, :, :n_res] = k_buf[plan.res_slots].transpose(1, 2)
-        values[:, :, :n_res] = v_buf[plan.res_slots].transpose(1, 2)
-        if plan.spec_rows.numel():
-            keys[plan.spec_rows, :, plan.spec_cols] = k3[plan.spec_tokens].to(keys.dtype)
-            values[plan.spec_rows, :, plan.spec_cols] = v3[plan.spec_tokens].to(values.dtype)
-        return fold_gqa(q3[plan.qidx], k_buf.shape[1])
+        layout, spec = plan.layout, plan.spec
+        n_res = layout.n_res
+        keys[:, :, :n_res] = k_buf[layout.res_slots].transpose(1, 2)
+        values[:, :, :n_res] = v_buf[layout.res_slots].transpose(1, 2)
+        if spec.rows.numel():
+            keys[spec.rows, :, spec.cols] = k3[spec.tokens].to(keys.dtype)
+            values[spec.rows, :, spec.cols] = v3[spec.tokens].to(values.dtype)
+        return fold_gqa(q3[layout.qidx], k_buf.shape[1])
 
     def attend(self, plan: StepPlan, attention, q3: torch.Tensor, q: torch.Tensor | None, keys: torch.Tensor,
                values: torch.Tensor, out: torch.Tensor, scale: float) -> None:  # fmt: skip
@@ -353,17 +332,17 @@ class SparseStepRunner:
 
     @staticmethod
     def exact_contexts(plan: StepPlan, keys: torch.Tensor, values: torch.Tensor):
-        """Per exact row (``plan.exact_rows``): ``(batch_row, K, V)``, its context's ``[seq_len, Hkv, D]``
+        """Per exact row (``plan.exact.batch_rows``): ``(batch_row, K, V)``, its context's ``[seq_len, Hkv, D]``
         K/V in position order, contiguous (the layout of SGLang's ``k_cache[req_to_token[row]]``).
 
         ``keys`` / ``values``: the ``[R, Hkv, columns, D]`` views :meth:`layer_inputs` returned. The
         plan rows of exact rows are found from ``plan.rows`` once per call (few rows: exact rows
         exist only where ``top_k`` covers the context).
         """
-        if not plan.exact_rows:
+        if not plan.exact.batch_rows:
             return
         where = {b: j for j, b in enumerate(plan.rows.tolist())}
-        for b, cols in zip(plan.exact_rows, plan.exact_cols, strict=True):
+        for b, cols in zip(plan.exact.batch_rows, plan.exact.cols, strict=True):
             j = where[b]
             yield b, keys[j][:, cols].transpose(0, 1).contiguous(), values[j][:, cols].transpose(0, 1).contiguous()
 
@@ -372,11 +351,12 @@ class SparseStepRunner:
         ``[n_res, ...)`` of its rows (a synchronous copy; with in-place reads only recorded)."""
         q = selection_queries(q3, g.query, self.host.k.shape[2]).cpu()
         _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, self.indexes.of(g.selector), layer)
+        n_res = plan.layout.n_res
         if self.in_place.table is not None:
-            self.in_place.record(plan, layer, g.rows, slots, plan.n_res)
+            self.in_place.record(plan, layer, g.rows, slots, n_res)
         else:
             k_slot, v_slot = self.ring.slot(layer)
-            self.tally.copied += self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, g.rows, plan.n_res,
+            self.tally.copied += self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, g.rows, n_res,
                                                   slots.shape[2], layer % self.ring.n_slots)  # fmt: skip
         if g.selector.lookahead:
             self.events.cold(g.selector.name, int(g.rows.numel()))
@@ -386,8 +366,10 @@ class SparseStepRunner:
         if plan.n_fixed:
             self.schedule.done(layer)
         self.ahead.after_layer(plan, layer, q3, scale, self.assembly.rows_of(plan) if self.assembly else None)
-        if plan.sampled.numel():
-            q = q3[plan.qidx[plan.sampled.to(plan.qidx.device), 0]].detach().to("cpu", copy=True)
+        sampled = plan.checks.sampled
+        if sampled.numel():
+            qidx = plan.layout.qidx
+            q = q3[qidx[sampled.to(qidx.device), 0]].detach().to("cpu", copy=True)
             attended = self.probe.attended.get(layer)
             self.schedule.submit_select(lambda: self.probe.measure(plan, layer, q, scale, attended))
         if self._use_misses > 0:

@@ -8,7 +8,7 @@ Interface (every selector, one layer, every row of the step it serves at once)::
   selection (the current token's for ``oracle``, ``recency`` and
   ``quest_device``; the speculated token's for ``spec_host`` and
   ``spec_host_exact``).
-* ``rows``: :class:`~dd_sglang.prefetch.index.RowBlocks`, the rows' candidate
+* ``rows``: :class:`~dd_sglang.prefetch.scoring.RowBlocks`, the rows' candidate
   blocks and positions (host-tier positions outside the resident set); every
   row has more than ``k`` candidates.
 * ``host_k``: the layer's host-tier keys, ``shape: [host_slots, num_kv_heads, head_dim]``.
@@ -49,10 +49,9 @@ from __future__ import annotations
 import torch
 
 from dd_sglang.kernels import native as native_kernel
-from dd_sglang.prefetch.index import (
+from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
+from dd_sglang.prefetch.scoring import (
     BLOCK_TOKENS,
-    KeyBlockIndex,
-    QuantKeyIndex,
     RowBlocks,
     block_scores,
     block_tokens,
@@ -73,7 +72,7 @@ def gqa_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
     Returns:
         ``[num_kv_heads, n]`` float32: per KV head, the max over its query heads of
         ``softmax(scale q . k)`` over the ``n`` keys (the probabilities
-        :func:`~dd_sglang.prefetch.index.token_log_scores` gives in log space).
+        :func:`~dd_sglang.prefetch.scoring.token_log_scores` gives in log space).
 
     Raises:
         ValueError: ``num_q_heads`` is not a multiple of ``num_kv_heads``.

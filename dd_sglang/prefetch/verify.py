@@ -95,7 +95,7 @@ def verify_sets(have_pos: torch.Tensor, have_slots: torch.Tensor, want_pos: torc
 
 
 class LayerVerification:
-    """Applies :func:`verify_sets` to the plan's verified rows (``plan.verify_rows``) at each layer:
+    """Applies :func:`verify_sets` to the plan's verified rows (``plan.checks.verify_rows``) at each layer:
     the real query's set, chosen as ``host_sync`` chooses it, with the prefetched tokens kept in
     place and the misses fetched now (into the in-place table, or copied into the ring slot's
     freed columns).
@@ -122,29 +122,31 @@ class LayerVerification:
             slot_v: torch.Tensor) -> None:  # fmt: skip
         """Verify ``layer``'s sets of the verified rows against their real queries (``q3``:
         ``[tokens, Hq, D]``); ``slot_k``/``slot_v``: the layer's whole ring slot."""
-        rows = plan.verify_rows
+        rows = plan.checks.verify_rows
         blocks = self.blocks.take(plan, "verify", rows)
-        q = q3[plan.qidx[rows.to(plan.qidx.device), 0]].detach().cpu()
-        want_pos, want_slots = self.host_sync.select(q, blocks, self.host.k[layer], plan.k, scale,
+        qidx, k = plan.layout.qidx, plan.layout.k
+        q = q3[qidx[rows.to(qidx.device), 0]].detach().cpu()
+        want_pos, want_slots = self.host_sync.select(q, blocks, self.host.k[layer], k, scale,
                                                      self.indexes.index("host"), layer)  # fmt: skip
-        top_k = plan.top_k[rows]
-        v = verify_sets(plan.fixed_pos[layer][rows], plan.fixed_slots[layer][rows], want_pos, want_slots, top_k)
+        top_k = plan.selection.top_k[rows]
+        fixed = plan.fixed
+        v = verify_sets(fixed.pos[layer][rows], fixed.slots[layer][rows], want_pos, want_slots, top_k)
         fetched = int(v.fetched.sum())
         table = self.in_place.table
         if table is not None:
-            table[layer, rows, :, : plan.k] = torch.where(table[layer, rows, :, : plan.k] >= 0, v.slots, -1)
+            table[layer, rows, :, :k] = torch.where(table[layer, rows, :, :k] >= 0, v.slots, -1)
             self.tally.copied += 2 * fetched * self.host.k.shape[3] * self.host.k.element_size()
         elif fetched:
             self._fetch_columns(plan, layer, rows, v, slot_k, slot_v)
-        hkv = want_pos.shape[1]
+        hkv, labels = want_pos.shape[1], plan.requests.labels
         for i, j in enumerate(rows.tolist()):
-            self.tally.verify(plan.labels[j], int(v.hits[i]), hkv * int(top_k[i]))
+            self.tally.verify(labels[j], int(v.hits[i]), hkv * int(top_k[i]))
         self.tally.miss("verify", int(v.fetched.flatten(1).any(dim=1).sum()), fetched)  # rows (this layer) that fetched
-        if plan.sampled.numel():  # what attention reads: the in-place table, else the ring's columns
+        if plan.checks.sampled.numel():  # what attention reads: the in-place table, else the ring's columns
             if table is not None:
                 attended = table[layer, : plan.n_ahead].clone()
             else:
-                attended = plan.fixed_slots[layer][: plan.n_ahead].clone()
+                attended = plan.fixed.slots[layer][: plan.n_ahead].clone()
                 attended[rows] = v.slots
             self.attended[layer] = attended
 
@@ -154,7 +156,7 @@ class LayerVerification:
         slot's critical-set columns of plan rows ``rows`` (a synchronous gather of the misses only)."""
         r, h, c = v.fetched.nonzero(as_tuple=True)
         src = v.slots[r, h, c]
-        dst_rows, dst_cols = rows[r].to(slot_k.device), (plan.n_res + c).to(slot_k.device)
+        dst_rows, dst_cols = rows[r].to(slot_k.device), (plan.layout.n_res + c).to(slot_k.device)
         dst_heads = h.to(slot_k.device)
         for host, slot in ((self.host.k[layer], slot_k), (self.host.v[layer], slot_v)):
             slot[dst_rows, dst_heads, dst_cols] = host[src, h].to(slot.device, slot.dtype, non_blocking=True)
