@@ -11,8 +11,9 @@ boots (``tests/conftest.py``) only the servers its own lane's tests use:
 * lane 0: the session's dense server, the ``dualdecoder`` package's server and every
   server-free module (run while those two start up);
 * lane 1 (:data:`LANE_1`): the reliability package's server, the router's workers, the
-  launcher watchdog's SGLang, and ``test_config.py``'s SGLang-importing launcher runs (run
-  while the reliability server starts up). Nothing on lane 1 uses the dense server.
+  launcher watchdog's SGLang, ``test_config.py``'s SGLang-importing launcher runs and three
+  slow server-free modules (run while the reliability server starts up). Nothing on lane 1 uses
+  the dense server.
 
 :class:`LaneScheduling` (returned from ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``)
 sends each worker its lane's tests in collection order, all at once. With one worker, or without
@@ -30,6 +31,11 @@ LANE_1 = (
     "tests/test_router_e2e.py",
     "tests/test_launcher_watchdog.py",
     "tests/test_config.py",
+    # Server-free modules of 10-30 s each under load, moved from lane 0 (the suite's tail) to lane 1,
+    # which ended about two minutes earlier (2026-12-06, AMD EPYC host, ``--durations``).
+    "tests/test_bench_quality_units.py",
+    "tests/test_models.py",
+    "tests/test_gpu_check.py",
 )
 
 
