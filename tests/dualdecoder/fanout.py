@@ -10,12 +10,26 @@ from collections.abc import Callable
 from bench.server import ServerProcess, flush_when_idle, scrape
 
 
-def run_at_once_sampled(srv: ServerProcess, calls: list[Callable[[], dict]], interval_s: float = 0.2):
-    """Run every ``calls[i]()`` in its own thread at once, scraping ``srv``'s ``dd_`` metrics every
-    ``interval_s`` seconds until all returned. Returns ``(results, samples)``: ``results[i]`` is
-    ``calls[i]``'s return value (None if it raised: its thread's traceback is printed), ``samples``
-    the scrapes in time order."""
+def run_at_once(calls: list[Callable[[], dict]]) -> list[dict | None]:
+    """Run every ``calls[i]()`` in its own thread at once; ``results[i]`` is ``calls[i]``'s return
+    value (None if it raised: its thread's traceback is printed)."""
     results: list[dict | None] = [None] * len(calls)
+
+    def run(i):
+        results[i] = calls[i]()
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return results
+
+
+def run_at_once_sampled(srv: ServerProcess, calls: list[Callable[[], dict]], interval_s: float = 0.2):
+    """:func:`run_at_once`, scraping ``srv``'s ``dd_`` metrics every ``interval_s`` seconds until all
+    returned. Returns ``(results, samples)``: the results as :func:`run_at_once` gives them,
+    ``samples`` the scrapes in time order."""
     samples: list[dict[str, float]] = []
     done = threading.Event()
 
@@ -24,18 +38,13 @@ def run_at_once_sampled(srv: ServerProcess, calls: list[Callable[[], dict]], int
             samples.append(scrape(srv.metrics_url))
             time.sleep(interval_s)
 
-    def run(i):
-        results[i] = calls[i]()
-
     poller = threading.Thread(target=sample)
     poller.start()
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    done.set()
-    poller.join()
+    try:
+        results = run_at_once(calls)
+    finally:
+        done.set()
+        poller.join()
     return results, samples
 
 

@@ -24,7 +24,7 @@ from bench.prompts import passkey_prompt
 from bench.server import delta, flush_when_idle, scrape, wait_idle
 
 from .conftest import CAP
-from .fanout import assert_back_at_baseline, run_at_once_sampled
+from .fanout import assert_back_at_baseline, run_at_once, run_at_once_sampled
 
 pytestmark = pytest.mark.server
 PROMPT_TARGET = 2100  # passkey_prompt size target: ~1,980 tokens (past min_sparse_len 1,024)
@@ -48,19 +48,9 @@ def path_changes(samples: dict[str, float]) -> dict[str, float]:
     return {r: samples.get(f'dd_dualpath_path_changes_total{{reason="{r}"}}', 0.0) for r in CHANGES}
 
 
-def at_once(srv, prompts: list[tuple[str, int]], custom: dict | None) -> list[dict]:
+def at_once(srv, prompts: list[tuple[str, int]], custom: dict | None) -> list[dict | None]:
     """Each prompt as its own greedy request (``LOW_LOAD_TOKENS``, ``ignore_eos``), all sent at once."""
-    results: list[dict] = [{}] * len(prompts)
-
-    def run(i):
-        results[i] = complete(srv, prompts[i][0], LOW_LOAD_TOKENS, custom, ignore_eos=True)
-
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return results
+    return run_at_once([lambda p=p: complete(srv, p, LOW_LOAD_TOKENS, custom, ignore_eos=True) for p, _ in prompts])
 
 
 def offloads(samples: dict[str, float]) -> dict[str, float]:
