@@ -103,10 +103,6 @@ class MetricsSection(_Strict):
         description="Shortest interval in seconds between two refreshes of a scheduler process's gauges "
         "(refreshed after a batch, and once when it goes idle).",
     )  # fmt: skip
-    health_timeout_s: float = Field(
-        5.0, gt=0.0, le=120.0,
-        description="Seconds the sidecar's ``/healthz`` waits for SGLang's ``/health`` before answering 503.",
-    )  # fmt: skip
 
 
 class SparseSection(_Strict):

@@ -87,6 +87,7 @@ from dd_sglang.launcher.supervision import (
     clean_stale_dirs,
     supervise,
 )
+from dd_sglang.metrics.health import health_wait_s
 from dd_sglang.platform import bounded_cache_env
 from dd_sglang.plugin.runtime import CONFIG_ENV
 
@@ -118,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         print(DD_FLAGS_HELP)
         return subprocess.call([sys.executable, "-m", "sglang.launch_server", "--help"])
     dd_args, sglang_argv = parse_dd_args(argv)
+    try:
+        health_wait_s()  # the sidecar's /healthz wait, from SGLang's own variable: refused before anything starts
+    except ValueError as err:
+        return _fail(str(err))
     try:
         cfg = load_preset(dd_args)
         full_argv, threads_bind, host, port, metrics_sock = prepare(cfg, sglang_argv)
@@ -167,7 +172,6 @@ def _serve(cfg: DDConfig, full_argv: list[str], threads_bind: str | None, host: 
         metrics_sock,
         sglang_url=sglang_url,
         multiproc_dir=prom_dir,
-        health_timeout_s=m.health_timeout_s,
         preset=cfg.name,
         api_key=flag_value(full_argv, "--api-key") or flag_value(full_argv, "--admin-api-key"),
     )

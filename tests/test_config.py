@@ -75,7 +75,7 @@ def test_bad_values_name_the_key_and_range(data, needles):
 
 
 #: Most preset keys an operator meets: every leaf key outside the ``experimental`` section.
-SHIPPED_KEYS_MAX = 27
+SHIPPED_KEYS_MAX = 26
 
 
 def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -94,7 +94,7 @@ def test_the_shipped_schema_stays_small():
     under ``experimental`` only, and no measured loser is back among the shipped keys."""
     shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
-    assert len(shipped) == 27  # name, model.path, server 8, metrics 4, sparse 10, prefetch 3
+    assert len(shipped) == 26  # name, model.path, server 8, metrics 3, sparse 10, prefetch 3
     moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "branches", "confident",
              "real_query", "sampling", "n_keep"}  # fmt: skip
     assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
@@ -276,6 +276,13 @@ def test_dtype_in_sglang_args_is_the_dtype_sglang_gets():
     assert argv == ["--x"]
     assert flag_value(build_sglang_argv(cfg, argv, "/m", cpu=True), "--dtype") == "float32"
     assert flag_value(with_cpu_dtype(["--x"], True, []), "--dtype") in ("bfloat16", "float32")
+
+
+def test_a_bad_sglang_health_check_timeout_is_refused_before_sglang_starts(tmp_path):
+    """The sidecar's ``/healthz`` waits SGLang's own ``SGLANG_HEALTH_CHECK_TIMEOUT`` (plus a second): a value
+    SGLang could not read stops the launcher before anything starts, naming the variable."""
+    r = _refused_before_torch("--model-path", str(tmp_path), env={"SGLANG_HEALTH_CHECK_TIMEOUT": "soon"})
+    assert "SGLANG_HEALTH_CHECK_TIMEOUT must be a positive integer (seconds), got 'soon'" in r.stderr
 
 
 @pytest.mark.parametrize("host", [["--host="], ["--host", ""], ["--host", " "]])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from fastapi.testclient import TestClient
 
 from dd_sglang.metrics.sidecar import create_app
@@ -49,6 +50,16 @@ def test_healthz_503_when_sglang_unreachable(tmp_path):
     assert r.json()["status"] == "unavailable"
 
 
+def test_healthz_waits_sglangs_own_health_bound_plus_a_second():
+    from dd_sglang.metrics.health import health_wait_s
+
+    assert health_wait_s({}) == 21.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT is 20
+    assert health_wait_s({"SGLANG_HEALTH_CHECK_TIMEOUT": "45"}) == 46.0
+    for bad in ("0", "-3", "1.5", "soon"):
+        with pytest.raises(ValueError, match="SGLANG_HEALTH_CHECK_TIMEOUT must be a positive integer"):
+            health_wait_s({"SGLANG_HEALTH_CHECK_TIMEOUT": bad})
+
+
 def test_stats_needs_the_api_key_metrics_and_healthz_do_not(tmp_path):
     _write_metrics(tmp_path, 1)
     client = TestClient(
@@ -88,8 +99,8 @@ def test_launcher_restarts_a_killed_sidecar_on_the_same_socket(tmp_path):
     _write_metrics(tmp_path, 1)
     sock = _bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    sc = Sidecar(sock, sglang_url="http://127.0.0.1:9", multiproc_dir=str(tmp_path), health_timeout_s=1,
-                 preset="t", api_key="k")  # fmt: skip
+    sc = Sidecar(sock, sglang_url="http://127.0.0.1:9", multiproc_dir=str(tmp_path), preset="t",
+                 api_key="k")  # fmt: skip
     sc.start()
     try:
         assert 'dd_device_kv_used_bytes{dp_rank="0"} 161280.0' in _get_until_up(f"{url}/metrics").text

@@ -121,7 +121,7 @@ class Sidecar:
 
     Args:
         sock: the listening metrics socket (handed to the child by file descriptor).
-        sglang_url, multiproc_dir, health_timeout_s, preset: see
+        sglang_url, multiproc_dir, preset: see
             :func:`dd_sglang.metrics.sidecar.create_app`.
         api_key: protects ``/stats``; passed through the environment, not the command line.
     """
@@ -132,7 +132,6 @@ class Sidecar:
         *,
         sglang_url: str,
         multiproc_dir: str,
-        health_timeout_s: float,
         preset: str,
         api_key: str | None,
     ):
@@ -142,7 +141,7 @@ class Sidecar:
         self.cmd = [
             sys.executable, "-m", "dd_sglang.metrics.sidecar", "--fd", str(sock.fileno()),
             "--sglang-url", sglang_url, "--multiproc-dir", multiproc_dir,
-            "--health-timeout-s", str(health_timeout_s), "--preset", preset,
+            "--preset", preset,
         ]  # fmt: skip
         self.env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         if api_key:

@@ -14,7 +14,9 @@ Routes:
   ``dp_rank`` (merged per data-parallel rank: :mod:`dd_sglang.metrics.ranks`),
   and SGLang's own ``sglang:`` series when ``--enable-metrics`` is on.
 * ``GET /healthz``: 200 ``{"status": "ok"}`` only when SGLang's ``/health``
-  answers 200 within ``health_timeout_s`` seconds; else 503 with the reason.
+  answers 200 within :func:`~dd_sglang.metrics.health.health_wait_s` seconds (SGLang's own bound on
+  ``/health``, ``SGLANG_HEALTH_CHECK_TIMEOUT``, plus a second); else 503 with
+  the reason.
 * ``GET /stats``: JSON snapshot: the ``dd_`` samples grouped by metric
   (``{"dd_device_kv_used_bytes": [{"labels": {}, "value": 0.0}], ...}``), the
   SGLang URL, the preset name, the sidecar's uptime in seconds, and the running
@@ -42,6 +44,8 @@ import time
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from dd_sglang.metrics.health import health_wait_s
 
 #: Environment variable through which the launcher hands the sidecar SGLang's API key
 #: (kept out of the sidecar's command line).
@@ -105,7 +109,7 @@ def create_app(
     *,
     sglang_url: str,
     multiproc_dir: str,
-    health_timeout_s: float = 5.0,
+    health_timeout_s: float | None = None,
     preset: str = "",
     api_key: str | None = None,
 ) -> FastAPI:
@@ -114,7 +118,7 @@ def create_app(
     Args:
         sglang_url: base URL of the SGLang HTTP server, e.g. ``http://127.0.0.1:30000``.
         multiproc_dir: prometheus-client multiprocess folder shared with SGLang.
-        health_timeout_s: seconds to wait for SGLang's ``/health``.
+        health_timeout_s: seconds to wait for SGLang's ``/health``; ``None``: :func:`health_wait_s`.
         preset: preset name shown in ``/stats``.
         api_key: when set, every route but :data:`OPEN_ROUTES` answers 401 without
             ``Authorization: Bearer <api_key>``.
@@ -122,6 +126,7 @@ def create_app(
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     app = FastAPI(title="dd_sglang metrics sidecar")
+    wait_s = health_wait_s() if health_timeout_s is None else health_timeout_s
     started = time.monotonic()
     if api_key:
         _require_key(app, api_key)
@@ -132,7 +137,7 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        return await sglang_health(sglang_url, health_timeout_s)
+        return await sglang_health(sglang_url, wait_s)
 
     @app.get("/stats")
     def stats() -> dict:
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     """Serve the sidecar on an inherited listening socket until SIGINT/SIGTERM.
 
     ``python -m dd_sglang.metrics.sidecar --fd N --sglang-url URL --multiproc-dir DIR
-    [--health-timeout-s S] [--preset NAME]``; the API key, if any, comes from
+    [--preset NAME]``; the API key, if any, comes from
     :data:`API_KEY_ENV`. The launcher (:mod:`dd_sglang.launch_server`) starts it.
     """
     import uvicorn
@@ -197,14 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="listening TCP socket inherited from the launcher")
     ap.add_argument("--sglang-url", required=True)
     ap.add_argument("--multiproc-dir", required=True)
-    ap.add_argument("--health-timeout-s", type=float, default=5.0)
     ap.add_argument("--preset", default="")
     args = ap.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     app = create_app(
         sglang_url=args.sglang_url,
         multiproc_dir=args.multiproc_dir,
-        health_timeout_s=args.health_timeout_s,
         preset=args.preset,
         api_key=os.environ.get(API_KEY_ENV) or None,
     )
