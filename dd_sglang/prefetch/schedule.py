@@ -50,7 +50,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,6 +126,24 @@ class _Worker:
             raise RuntimeError("dualdecoder transfer worker failed") from e
 
 
+@dataclass
+class _StepCopies:
+    """One step's copies, replaced by a fresh one when the step ends.
+
+    ``layers``: the step's layers in execution order; ``gather``: the step's copy function;
+    ``next``: index into ``layers`` of the next copy to queue; ``done``: layer -> event set when its
+    copy has finished (on the copy worker); ``cuda_done``: layer -> CUDA event recorded on the copy
+    stream after its copy (CUDA only); ``timing``: layer -> its :class:`LayerTiming`.
+    """
+
+    layers: list[int] = field(default_factory=list)
+    gather: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    next: int = 0
+    done: dict[int, threading.Event] = field(default_factory=dict)
+    cuda_done: dict[int, object] = field(default_factory=dict)
+    timing: dict[int, LayerTiming] = field(default_factory=dict)
+
+
 class TransferSchedule:
     """Per-layer copies of the critical set, ``depth`` layers ahead of attention (see module docstring).
 
@@ -154,13 +172,8 @@ class TransferSchedule:
         # ops do not also fan out over the cores the forward is using.
         self._select = _Worker("dd-select", threads=None if self._cuda else 1)
         self._stream = torch.cuda.Stream(device=ring.device) if self._cuda else None
-        self._gather: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        self._layers: list[int] = []
-        self._done_evt: dict[int, threading.Event] = {}
-        self._cuda_evt: dict[int, object] = {}
         self._slot_free_evt: dict[int, object] = {}  # CUDA: slot -> compute-stream event after its last read
-        self._timing: dict[int, LayerTiming] = {}
-        self._next = 0
+        self._step = _StepCopies()
         #: Timings of the last finished step, in layer order.
         self.last_step: list[LayerTiming] = []
 
@@ -176,25 +189,24 @@ class TransferSchedule:
         """
         self.end_step()
         self._select.drain()
-        self._gather = gather
-        self._layers = list(layers)
-        self._next = 0
+        self._step = _StepCopies(layers=list(layers), gather=gather)
         if self.inline:  # each copy runs in wait(): nothing to queue
             return
-        for _ in range(min(self.depth + 1, len(self._layers))):
+        for _ in range(min(self.depth + 1, len(layers))):
             self._queue_next()
 
     def _queue_next(self) -> None:
-        if self._next >= len(self._layers):
+        step = self._step
+        if step.next >= len(step.layers):
             return
-        layer = self._layers[self._next]
-        self._next += 1
+        layer = step.layers[step.next]
+        step.next += 1
         evt = threading.Event()
         t = LayerTiming(layer, queued=time.perf_counter())
-        self._done_evt[layer] = evt
-        self._timing[layer] = t
+        step.done[layer] = evt
+        step.timing[layer] = t
         k_slot, v_slot = self.ring.slot(layer)
-        gather = self._gather
+        gather = step.gather
         slot_free = self._slot_free_evt.pop(layer % self.ring.n_slots, None)
 
         def job() -> None:
@@ -207,7 +219,7 @@ class TransferSchedule:
                         gather(layer, k_slot, v_slot)
                         ev = torch.cuda.Event()
                         ev.record(self._stream)
-                        self._cuda_evt[layer] = ev
+                        step.cuda_done[layer] = ev
                 else:
                     gather(layer, k_slot, v_slot)
             finally:
@@ -218,13 +230,14 @@ class TransferSchedule:
 
     def _copy_inline(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inline mode: ``layer``'s copy, now, on the calling thread (all of it is exposed wait)."""
-        if layer in self._timing or layer not in self._layers:
+        step = self._step
+        if layer in step.timing or layer not in step.layers:
             raise KeyError(f"layer {layer} is not waiting for a copy in this step")
         k_slot, v_slot = self.ring.slot(layer)
         t = LayerTiming(layer)
-        self._timing[layer] = t
+        step.timing[layer] = t
         t.queued = t.copy_start = t.wait_start = time.perf_counter()
-        self._gather(layer, k_slot, v_slot)
+        step.gather(layer, k_slot, v_slot)
         t.copy_end = t.wait_end = time.perf_counter()
         return k_slot, v_slot
 
@@ -237,11 +250,12 @@ class TransferSchedule:
         """
         if self.inline:
             return self._copy_inline(layer)
-        t = self._timing[layer]
+        step = self._step
+        t = step.timing[layer]
         t.wait_start = time.perf_counter()
-        self._done_evt[layer].wait()
+        step.done[layer].wait()
         self._copy.raise_error()
-        ev = self._cuda_evt.pop(layer, None)
+        ev = step.cuda_done.pop(layer, None)
         if ev is not None:
             torch.cuda.current_stream().wait_event(ev)
         t.wait_end = time.perf_counter()
@@ -251,8 +265,9 @@ class TransferSchedule:
         """``layer``'s slot has been consumed: queue the copy that reuses it; after the step's last
         layer, finish the step (its timings are reported then). On CUDA the reuse first waits for
         the compute stream's reads of the slot (an event recorded here)."""
+        last = self._step.layers[-1] if self._step.layers else None
         if self.inline:
-            if self._layers and layer == self._layers[-1]:
+            if layer == last:
                 self.end_step()
             return
         if self._cuda:
@@ -260,23 +275,23 @@ class TransferSchedule:
             ev.record(torch.cuda.current_stream(self.ring.device))
             self._slot_free_evt[layer % self.ring.n_slots] = ev
         self._queue_next()
-        if self._layers and layer == self._layers[-1]:
+        if layer == last:
             self.end_step()
 
     def end_step(self) -> None:
         """Wait for queued copies (also those no layer waited for) and keep the step's timings."""
-        if self.inline and self._layers:  # copies no layer asked for still run: nothing is skipped
-            for layer in self._layers:
-                if layer not in self._timing:
+        step = self._step
+        if self.inline:  # copies no layer asked for still run: nothing is skipped
+            for layer in step.layers:
+                if layer not in step.timing:
                     self._copy_inline(layer)
-        if not self._timing:
+        if not step.timing:
             return
-        for evt in self._done_evt.values():
+        for evt in step.done.values():
             evt.wait()
         self._copy.raise_error()
-        self.last_step = sorted(self._timing.values(), key=lambda t: t.layer)
-        self._timing, self._done_evt, self._cuda_evt = {}, {}, {}
-        self._layers, self._next = [], 0
+        self.last_step = sorted(step.timing.values(), key=lambda t: t.layer)
+        self._step = _StepCopies()
         if self.on_step is not None:
             self.on_step(self.last_step)
 
