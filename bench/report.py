@@ -276,6 +276,31 @@ def capacity_table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def concurrency_table(res: dict) -> str:
+    """Markdown: per level of concurrent requests, output and decode tokens/s of each configuration,
+    the sparse path's ratios and its fraction of the ceiling, and its step per sparse row."""
+    names = ("dense_same_pool", "dense_room", "sparse", "ceiling")
+    lines = ["| requests | output tok/s: " + ", ".join(names) + " | decode tok/s: " + ", ".join(names)
+             + " | sparse / dense same pool (output) | sparse / dense room (output) | sparse / ceiling (steady) "
+             "| sparse step ms (per row) | pass keys, sparse |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for lv in res["levels"]:
+        runs, r = lv["runs"], lv["ratios"]
+        b = runs["sparse"].get("breakdown") or {}
+        step = (f"{_num(1e3 * b['step'], 0)} ({_num(1e3 * b['per_row']['step'], 1)})"
+                if b.get("per_row") else "–")  # fmt: skip
+        lines.append(f"| {lv['requests']} | {', '.join(_num(runs[n]['output_tokens_per_second'], 1) for n in names)} "
+                     f"| {', '.join(_num(runs[n]['decode_tokens_per_second'], 1) for n in names)} "
+                     f"| {_num(r['sparse_over_dense_same_pool'])}x | {_num(r['sparse_over_dense_room'])}x "
+                     f"| {_num(r['ceiling_fraction'])} | {step} "
+                     f"| {runs['sparse']['found']}/{runs['sparse']['total']} |")  # fmt: skip
+    goals = res.get("goals") or {}
+    if goals:
+        lines += ["", "Issue 41's goals: " + "; ".join(
+            f"{k.replace('_', ' ')} >= {g['goal']}: {_num(g['measured'])} ({'met' if g['met'] else 'not met'})"
+            for k, g in goals.items()) + "."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def _flatten(d: dict, prefix: str = "", depth: int = 0) -> list[tuple[str, object]]:
     out = []
     for k, v in d.items():
@@ -370,6 +395,15 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
             out += [f"Device KV budget: {r['device_kv_budget_tokens']:,} tokens, {len(r['prompt_tokens'][0])} requests "
                     f"of ~{r['prompt_tokens'][0][0]:,} tokens, {r['new_tokens_per_request']} new tokens each, "
                     f"{r.get('rounds', 1)} round(s).", "", capacity_table(r)]  # fmt: skip
+        elif name.startswith("concurrency"):
+            out += [f"~{r['prompt_tokens']:,}-token requests (ceiling: ~{r['ceiling_prompt_tokens']} tokens), "
+                    f"{r['new_tokens']} new tokens each, streamed, greedy; dense in {r['dtype']}; device KV pool of "
+                    f"dense same pool and sparse {r['servers']['sparse']['device_kv_budget_tokens']:,} tokens, "
+                    f"dense room {r['servers']['dense_room']['device_kv_budget_tokens']:,}:", "",
+                    concurrency_table(r)]  # fmt: skip
+            png = Path(name).with_suffix(".png").name
+            if (results / png).exists():
+                out += [f"![throughput against concurrency](../bench/results/{png})", ""]
         elif name.startswith("ruler"):
             out += [f"RULER `{r['task']}` through lm-eval, {r['samples']} samples per cell, greedy, "
                     f"{r['max_gen_toks']} tokens:", "", ruler_table(r)]  # fmt: skip

@@ -239,3 +239,36 @@ def test_ruler_spec_generates_the_first_samples_of_lm_evals_own_task(model_path,
     mine, lm_evals = ({k: v for k, v in c.items() if k not in ("num_samples", "TOKENIZER")} for c in calls)
     assert mine == lm_evals and calls[0]["num_samples"] == 2 and calls[1]["num_samples"] == 500
     assert niah_single_1_spec(2)["task"] == "niah_single_1"
+
+
+def _run(out: float, decode: float, steady: float) -> dict:
+    return {"output_tokens_per_second": out, "decode_tokens_per_second": decode,
+            "steady_decode_tokens_per_second": steady}  # fmt: skip
+
+
+def test_concurrency_ratios_and_goals_by_hand():
+    from bench.concurrency import goals, level_ratios
+
+    runs = {"sparse": _run(48.0, 57.4, 60.0), "dense_same_pool": _run(16.0, 19.5, 20.0),
+            "dense_room": _run(24.0, 35.0, 36.0), "ceiling": _run(90.0, 120.0, 125.0)}  # fmt: skip
+    r = level_ratios(runs)
+    assert r["sparse_over_dense_same_pool"] == 3.0 and r["sparse_over_dense_room"] == 2.0
+    assert r["sparse_over_dense_same_pool_decode"] == pytest.approx(2.944, abs=1e-3)
+    assert r["ceiling_fraction"] == 0.48 and r["ceiling_fraction_decode"] == pytest.approx(0.478, abs=1e-3)
+    g = goals([{"requests": 8, "ratios": r}, {"requests": 3, "ratios": r}])
+    assert g == {"ceiling_fraction_at_8": {"goal": 0.8, "measured": 0.48, "met": False},
+                 "same_pool_output_at_8": {"goal": 4.0, "measured": 3.0, "met": False}}  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--levels", "1,0"], "--levels must name distinct integers in [1, 64]"),
+    (["--levels", "2,2"], "--levels must name distinct integers in [1, 64]"),
+    (["--levels", "a"], "--levels must be comma-separated integers"),
+    (["--new-tokens", "1"], "--new-tokens must be in [2, 4096], got 1"),
+])  # fmt: skip
+def test_concurrency_refuses_bad_flags_before_starting_a_server(argv, needle, capsys):
+    from bench.concurrency import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
