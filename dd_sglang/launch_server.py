@@ -109,6 +109,24 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def print_sglang_help() -> int:
+    """Print SGLang's own flags with their help, from SGLang's parser (``ServerArgs.add_cli_args``, what
+    ``prepare_server_args`` in ``sglang/srt/server_args.py`` builds), after loading SGLang's plugins as
+    SGLang does, so that the choices include this project's (``--attention-backend dualdecoder``).
+    In this process, not a ``python -m sglang.launch_server --help`` child: the same text for about half
+    the import time. Returns 0."""
+    import argparse
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    parser = argparse.ArgumentParser(prog="python -m dd_sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    parser.print_help()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the launcher (module docstring); returns the exit code: 0 after a signal, 2 for a
     refused flag or preset (SGLang's own parser included), 1 when SGLang failed or timed out."""
@@ -117,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(DD_FLAGS_HELP)
-        return subprocess.call([sys.executable, "-m", "sglang.launch_server", "--help"])
+        return print_sglang_help()
     dd_args, sglang_argv = parse_dd_args(argv)
     try:
         health_wait_s()  # the sidecar's /healthz wait, from SGLang's own variable: refused before anything starts
