@@ -251,9 +251,9 @@ SELECTOR_AUX_BYTES = Gauge(
 )
 HOST_INDEX_BYTES = Gauge(
     "dd_host_index_bytes",
-    "Host-memory bytes of the int8 key index spec_host and repairs score candidates with (int8 keys and "
-    "a float32 scale per token, layer and KV head): (head_dim + 4) / (2 x head_dim x KV itemsize) of the "
-    "host tier's bytes once any lookahead request ran.",
+    "Host-memory bytes of the int8 key index spec_host, host_sync and repairs score candidates with (int8 "
+    "keys and a float32 scale per token, layer and KV head): (head_dim + 4) / (2 x head_dim x KV itemsize) of "
+    "the host tier's bytes once any request used one of them.",
     multiprocess_mode="livesum",
 )
 TRANSFER_BYTES = Counter(
@@ -267,7 +267,8 @@ STEP_PHASE_SECONDS = Counter(
     "Decode forward time by phase, summed: plan (building the step plan), select (choosing critical sets on "
     "the forward thread: cold starts, synchronous selectors, repairs), assemble (resident gather and attention "
     "inputs), attention (dense and sparse attention calls), select_ahead (next-step selection: on the select "
-    "worker, off the forward thread, or inline on it with experimental.select inline, a CPU's default). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
+    "worker, off the forward thread, or inline on it: experimental.select auto, the default, runs it inline on a "
+    "CPU below 8 rows a step and on the worker from 8 rows, with the forward on one intra-op thread). Copy and exposed wait: dd_transfer_copy_seconds / dd_transfer_wait_seconds.",
     ["phase"],
 )
 DECODE_STEPS = Counter(

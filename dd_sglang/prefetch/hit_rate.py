@@ -1,4 +1,4 @@
-"""The sampled prefetch hit-rate measurement (``experimental.hit_rate_sample``).
+"""The sampled prefetch hit-rate measurement (``prefetch.hit_rate_sample``).
 
 For the plan's sampled lookahead rows (``plan.checks.sampled``), after each layer's attention, on the
 select worker: how many of the exact top-k tokens of the *real* query had been prefetched, and
