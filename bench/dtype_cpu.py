@@ -2,14 +2,18 @@
 
 Usage::
 
-    python -m bench.dtype_cpu [--out bench/results/dtype_cpu.json] [--repeats 2]
+    python -m bench.dtype_cpu [--out bench/results/dtype_cpu.json] [--repeats 2] [--batch N]
 
 For each dtype, in one run: start a dense (``torch_native``) dd_sglang server
 with ``--dtype <dtype>``, then, ``--repeats`` times each and one request at a
 time: prefill a ~4,000-token prompt (``max_tokens`` 1: the time to the answer
 is the prefill), decode 48 tokens after a ~4,000-token prompt and after a
 ~100-token prompt (streamed: decode tok/s = (chunks - 1) / (last - first chunk
-time)). The median of the repeats is kept. Records the CPU's ISA flags that
+time)). With ``--batch N`` (> 0) also N distinct ~4,000-token prompts decoded at once, 48 tokens
+each (the server's pool then holds all N): ``decode_tokens_per_second_4k_batch`` is the sum of the
+N requests' decode rates (they start together and decode side by side), the dtype question at the
+batch sizes a server runs, where attention over the long contexts dominates the step. The median
+of the repeats is kept. Records the CPU's ISA flags that
 decide the default (:func:`dd_sglang.platform.dtype.native_bf16`). Nothing here
 is a pass/fail test; the launcher's default dtype on a CPU without native bf16
 (float32) is the one this measured faster.
@@ -47,18 +51,34 @@ def _stream(url: str, prompt: str, n: int) -> tuple[float, float | None]:
     return times[0] - t0, rate
 
 
-def measure(dtype: str, tok, repeats: int) -> dict:
+def _batch_rate(url: str, prompts: list[str], n: int) -> float:
+    """Sum of the decode tokens/s of ``prompts`` streamed at once, ``n`` tokens each (:func:`_stream`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        rates = [r for _, r in pool.map(lambda p: _stream(url, p, n), prompts)]
+    if any(r is None for r in rates):
+        raise RuntimeError("a batched request streamed fewer than two chunks")
+    return sum(rates)
+
+
+def measure(dtype: str, tok, repeats: int, batch: int = 0) -> dict:
     log = Path(tempfile.mkdtemp(prefix="dd_dtype_")) / "server.log"
-    srv = start_server(log, 9000, ["--attention-backend", "torch_native", "--dtype", dtype], timeout=900)
+    pool = max(9000, batch * 4300 + 512)
+    srv = start_server(log, pool, ["--attention-backend", "torch_native", "--dtype", dtype], timeout=900)
     try:
-        prefill, dec_long, dec_short = [], [], []
+        prefill, dec_long, dec_short, dec_batch = [], [], [], []
         for i in range(repeats):
             p, _ = passkey_prompt(tok, 4200, 0.5, 11111 + i, header=f"{dtype} prefill {i}. ")
             prefill.append(_stream(srv.url, p, 1)[0])
             p, n_long = passkey_prompt(tok, 4200, 0.5, 22222 + i, header=f"{dtype} decode {i}. ")
             dec_long.append(_stream(srv.url, p, 48)[1])
             dec_short.append(_stream(srv.url, f"Run {i}. Write a short story about a lighthouse keeper.", 48)[1])
-        return {
+            if batch:
+                ps = [passkey_prompt(tok, 4200, (j + 0.5) / batch, 33333 + 97 * i + j, header=f"{dtype} batch {i}.{j}. ")[0]
+                      for j in range(batch)]  # fmt: skip
+                dec_batch.append(_batch_rate(srv.url, ps, 48))
+        out = {
             "dtype": dtype,
             "prefill_seconds_4k": statistics.median(prefill),
             "decode_tokens_per_second_4k": statistics.median(dec_long),
@@ -67,6 +87,10 @@ def measure(dtype: str, tok, repeats: int) -> dict:
             "server_start_seconds": srv.start_seconds,
             "samples": {"prefill": prefill, "decode_4k": dec_long, "decode_short": dec_short},
         }
+        if batch:
+            out.update({"batch": batch, "decode_tokens_per_second_4k_batch": statistics.median(dec_batch)})
+            out["samples"]["decode_4k_batch"] = dec_batch
+        return out
     finally:
         srv.stop()
 
@@ -75,16 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/dtype_cpu.json")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=0, help="also decode N ~4k prompts at once (0: no)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not 0 <= args.batch <= 32:
+        ap.error(f"--batch must be in [0, 32], got {args.batch}")
     from transformers import AutoTokenizer
 
     from dd_sglang.models.smollm2 import prepare_model
     from dd_sglang.platform.dtype import cpu_flags, cpu_model, native_bf16
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
-    runs = [measure(d, tok, args.repeats) for d in ("bfloat16", "float32")]
+    runs = [measure(d, tok, args.repeats, args.batch) for d in ("bfloat16", "float32")]
     bf, f32 = runs
     result = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "cpu_model": cpu_model(),
@@ -95,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_speed_4k": bf["prefill_seconds_4k"] / f32["prefill_seconds_4k"],
             "decode_4k": f32["decode_tokens_per_second_4k"] / bf["decode_tokens_per_second_4k"],
             "decode_short": f32["decode_tokens_per_second_short"] / bf["decode_tokens_per_second_short"],
+            **({f"decode_4k_batch_{args.batch}": f32["decode_tokens_per_second_4k_batch"]
+                / bf["decode_tokens_per_second_4k_batch"]} if args.batch else {}),
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    result["command"] = "python -m bench.dtype_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
     write_result(result, args.out, dtype="bfloat16,float32")
     json.dump(result["float32_over_bfloat16"], sys.stdout, indent=2)
     print()
