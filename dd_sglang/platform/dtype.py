@@ -50,8 +50,10 @@ def default_dtype(flags: frozenset[str] | None = None) -> str:
     """SGLang ``--dtype`` for this CPU: ``bfloat16`` with native bf16 instructions, else ``float32``.
 
     Without them PyTorch emulates bf16 matrix products, and float32 measured faster for the
-    embedded model on a 2-core AVX2 machine: prefill and decode, ``bench/results/dtype_cpu.json``
-    (``python -m bench.dtype_cpu``). The KV cache follows the model dtype, so float32 doubles
-    its bytes per token.
+    embedded model on a 2-core AVX2 machine: prefill and decode (``python -m bench.dtype_cpu``). With
+    them the choice is not settled: on a 2-core AMD EPYC with ``avx512_bf16``,
+    ``bench/results/dtype_cpu.json`` measured bfloat16 prefill 1.36x as fast as float32 but float32
+    decode 1.69x (one ~4k request) and 1.55x (eight) as fast. The KV cache follows the model dtype,
+    so float32 doubles its bytes per token.
     """
     return "bfloat16" if native_bf16(flags) else "float32"
