@@ -18,9 +18,10 @@ Three servers up at once (an idle one sleeps: ``sleep-on-idle``), each with the 
   row attends, 4 sink + 128 recent + 256 critical tokens). A sparse step does at least this step's work,
   so ``sparse`` over ``ceiling`` is the fraction of its own ceiling the sparse path reaches.
 
-Both dense servers run in the dtype the launcher chooses on this host (bfloat16 where the CPU has native
-bf16 instructions: measured faster than float32 there for prefill and decode,
-``bench/results/dtype_cpu.json``); the JSON records it.
+Every server runs in the dtype the launcher chooses on this host (bfloat16 where the CPU has native
+bf16 instructions, else float32); the JSON records it. Whether that is dense's fastest dtype on the host
+is ``python -m bench.dtype_cpu --batch N``'s question (on the 2-core AMD EPYC host float32 decoded faster
+and prefilled slower: ``bench/results/dtype_cpu.json``).
 
 For each level N of ``--levels`` and each configuration (order rotated by one per level, so a slow
 stretch of the machine does not fall on one configuration): the server's caches flushed, then N
@@ -39,8 +40,8 @@ the run, and the same for decode tokens/s), ``ceiling_fraction`` (sparse steady 
 the ceiling's; and ``ceiling_fraction_decode`` with decode tokens/s). Issue 41's goals: ceiling
 fraction >= 0.9 at 1 request and >= 0.8 at 8 and 16; same-pool output >= 4x at 8 and >= 6x at 16.
 
-Output: JSON with provenance (:func:`bench.client.write_result`) and a PNG (output and decode tokens/s
-against concurrency, one line per configuration, and the ceiling fraction). Nothing here is a
+Output: JSON with provenance (:func:`bench.client.write_result`) and a PNG (output and steady decode
+tokens/s against concurrency, one line per configuration, and the ceiling fraction). Nothing here is a
 pass/fail test; loopback only; every server stopped at the end.
 """
 
@@ -51,7 +52,7 @@ import sys
 from pathlib import Path
 
 from bench.capacity import launch_backend, room_budget, run_round, stop_backend
-from bench.client import n_layers_of_model, write_result
+from bench.client import check_ranges, n_layers_of_model, write_result
 from bench.decode_speed import breakdown
 from bench.machine import command_line, describe, host, machine_state, provenance, summary
 from bench.prompts import passkey_prompt
@@ -144,8 +145,8 @@ def goals(levels: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    """PNG: output tokens/s and decode tokens/s against concurrent requests, per configuration, and the
-    sparse path's ceiling fraction."""
+    """PNG: output tokens/s over the run and steady decode tokens/s (the fullest batch, prefills left out)
+    against concurrent requests, per configuration, and the sparse path's ceiling fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,7 +156,7 @@ def plot(result: dict, path: Path) -> None:
     xs = [lv["requests"] for lv in levels]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, key, title in ((axes[0], "output_tokens_per_second", "output tokens/s over the run"),
-                           (axes[1], "decode_tokens_per_second", "tokens/s while decoding")):  # fmt: skip
+                           (axes[1], "steady_decode_tokens_per_second", "tokens/s while decoding (prefills left out)")):  # fmt: skip
         for name in CONFIGS:
             ax.plot(xs, [lv["runs"][name][key] for lv in levels], marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -171,7 +172,7 @@ def plot(result: dict, path: Path) -> None:
             ax.scatter([n], [want], marker="_", s=400, color="red")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, max(1.1, 1.1 * max(lv["ratios"]["ceiling_fraction"] or 0 for lv in levels)))
     ax.set_xlabel("concurrent requests")
     ax.set_title("fraction of the ceiling (red: issue 41's goals)")
     ax.grid(alpha=0.3)
@@ -203,10 +204,8 @@ def parse_args(argv: list[str] | None):
         args.level_list
     ):
         ap.error(f"--levels must name distinct integers in [1, 64], got {args.levels!r}")
-    for name, lo, hi in (("prompt_tokens", 512, 32768), ("ceiling_tokens", 64, 4096), ("new_tokens", 2, 4096),
-                         ("max_total_tokens", 1024, 10_000_000), ("sample_interval", 0.05, 10)):  # fmt: skip
-        if not lo <= getattr(args, name) <= hi:
-            ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
+    check_ranges(ap, args, (("prompt_tokens", 512, 32768), ("ceiling_tokens", 64, 4096), ("new_tokens", 2, 4096),
+                            ("max_total_tokens", 1024, 10_000_000), ("sample_interval", 0.05, 10)))  # fmt: skip
     return args
 
 

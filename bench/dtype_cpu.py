@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import write_result
+from bench.machine import command_line
 from bench.prompts import passkey_prompt
 from bench.server import start_server
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    result["command"] = "python -m bench.dtype_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m bench.dtype_cpu " + " ".join(argv) if argv is not None else command_line()
     write_result(result, args.out, dtype="bfloat16,float32")
     json.dump(result["float32_over_bfloat16"], sys.stdout, indent=2)
     print()

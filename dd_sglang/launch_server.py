@@ -113,8 +113,8 @@ def print_sglang_help() -> int:
     """Print SGLang's own flags with their help, from SGLang's parser (``ServerArgs.add_cli_args``, what
     ``prepare_server_args`` in ``sglang/srt/server_args.py`` builds), after loading SGLang's plugins as
     SGLang does, so that the choices include this project's (``--attention-backend dualdecoder``).
-    In this process, not a ``python -m sglang.launch_server --help`` child: the same text for about half
-    the import time. Returns 0."""
+    In this process, not a ``python -m sglang.launch_server --help`` child (the same flags, without that
+    entry point's deprecation warning; about the same import time). Returns 0."""
     import argparse
 
     from sglang.srt.plugins import load_plugins
