@@ -110,12 +110,14 @@ def backend_spec(spec: str) -> tuple[str, str, bool]:
     return backend, selector, bool(room)
 
 
-def launch_backend(backend: str, budget: int, env: dict[str, str] | None = None):
+def launch_backend(backend: str, budget: int, env: dict[str, str] | None = None, dtype: str | None = None):
     """Launch a server with ``--attention-backend backend`` and a device KV pool of ``budget``
     tokens, its log in a fresh temporary folder, not waiting for it; returns ``(server, log path)``.
-    ``env``: variables added to the launcher's environment (:func:`bench.server.launch_server`)."""
+    ``env``: variables added to the launcher's environment (:func:`bench.server.launch_server`);
+    ``dtype``: SGLang's ``--dtype`` (None: the launcher's choice for this host)."""
     log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
-    return launch_server(log, budget, ["--attention-backend", backend], env=env), log
+    extra = ["--attention-backend", backend, *(["--dtype", dtype] if dtype else [])]
+    return launch_server(log, budget, extra, env=env), log
 
 
 def stop_backend(spec: str, srv, log: Path) -> dict:

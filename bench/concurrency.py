@@ -4,24 +4,28 @@ Usage::
 
     python -m bench.concurrency [--levels 1,2,4,8,16] [--prompt-tokens 4200] [--new-tokens 192]
                                 [--max-total-tokens 8400] [--ceiling-tokens 388]
+                                [--dense-dtype auto] [--ceiling-dtype auto]
                                 [--out bench/results/concurrency_HOSTCLASS.json] [--plot PATH.png]
 
-Three servers up at once (an idle one sleeps: ``sleep-on-idle``), each with the default preset:
+Four servers up at once (an idle one sleeps: ``sleep-on-idle``), each with the default preset:
 
 * ``dense_same_pool``: SGLang's own dense path (``--attention-backend torch_native``) with a device
   KV pool of ``--max-total-tokens`` tokens (8,400: two ~4k requests at a time; the others wait);
 * ``sparse``: ``--attention-backend dualdecoder`` in the same pool (the default preset: long requests
-  decode sparsely, their KV in the host tier);
+  decode sparsely, their KV in the host tier), in the dtype the launcher chooses on this host;
 * ``dense_room``: SGLang's dense path with a pool that holds every request of the largest level at once
-  (the memory the sparse path saves, given to dense). It also serves
-* ``ceiling``: the same dense server, each request a ~``--ceiling-tokens`` prompt (388: what a sparse
+  (the memory the sparse path saves, given to dense);
+* ``ceiling``: SGLang's dense path, each request a ~``--ceiling-tokens`` prompt (388: what a sparse
   row attends, 4 sink + 128 recent + 256 critical tokens). A sparse step does at least this step's work,
   so ``sparse`` over ``ceiling`` is the fraction of its own ceiling the sparse path reaches.
 
-Every server runs in the dtype the launcher chooses on this host (bfloat16 where the CPU has native
-bf16 instructions, else float32); the JSON records it. Whether that is dense's fastest dtype on the host
-is ``python -m bench.dtype_cpu --batch N``'s question (on the 2-core AMD EPYC host float32 decoded faster
-and prefilled slower: ``bench/results/dtype_cpu.json``).
+The dense servers run in the dtype that decodes fastest on this host (``--dense-dtype`` and
+``--ceiling-dtype``, ``auto`` by default): ``auto`` takes the dtype ``python -m bench.dtype_cpu`` measured
+decoding faster on this host class with these ISA flags (:data:`DTYPE_RESULT`): at ~4k tokens and the
+batch for the two long-context servers, at ~100 tokens for the ceiling (on the 2-core AMD EPYC host
+float32 for the first, 1.55x bfloat16 at eight ~4k requests, and bfloat16 for the second, 1.17x
+float32). Without a matching measurement ``auto`` is the launcher's choice, and the JSON says so. It
+records each server's dtype and where the choice came from (``dtype_choice``).
 
 For each level N of ``--levels`` and each configuration (order rotated by one per level, so a slow
 stretch of the machine does not fall on one configuration): the server's caches flushed, then N
@@ -48,6 +52,7 @@ pass/fail test; loopback only; every server stopped at the end.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -63,11 +68,50 @@ CONFIGS = {
     "dense_same_pool": ("dense_same_pool", "long"),
     "sparse": ("sparse", "long"),
     "dense_room": ("dense_room", "long"),
-    "ceiling": ("dense_room", "short"),
+    "ceiling": ("ceiling", "short"),
 }
+#: ``python -m bench.dtype_cpu``'s result, read by ``--dense-dtype auto`` and ``--ceiling-dtype auto``.
+DTYPE_RESULT = Path(__file__).resolve().parent / "results" / "dtype_cpu.json"
+DTYPES = ("auto", "bfloat16", "float32")
 #: Issue 41's goals: the least ceiling fraction per level, and the least same-pool output ratio per level.
 CEILING_GOALS = {1: 0.9, 8: 0.8, 16: 0.8}
 SAME_POOL_GOALS = {8: 4.0, 16: 6.0}
+
+
+def measured_dtypes(path: Path = DTYPE_RESULT, here: dict | None = None) -> tuple[dict[str, str], str]:
+    """The dtype ``bench.dtype_cpu`` measured decoding faster on this host: ``({"long": ..., "short": ...},
+    source)``, ``long`` at ~4k tokens (at its ``--batch`` where it ran one, else one request), ``short``
+    at ~100 tokens; ``({}, why not)`` when ``path`` is missing or was measured on another host class or
+    with other ISA flags. ``here``: this host (:func:`bench.machine.host`; given by tests)."""
+    here = here or host()
+    try:
+        result = json.loads(path.read_text())
+        ratio, machine = result["float32_over_bfloat16"], result["provenance"]["machine"]
+    except (OSError, ValueError, KeyError) as e:
+        return {}, f"no bench.dtype_cpu measurement to read ({path.name}: {e.__class__.__name__})"
+    same = machine.get("host_class") == here["host_class"] and sorted(machine.get("cpu_flags") or []) == sorted(
+        here["cpu_flags"]
+    )
+    if not same:
+        return {}, f"{path.name} was measured on another host ({machine.get('host_class')}, other ISA flags)"
+    long_key = next((k for k in sorted(ratio) if k.startswith("decode_4k_batch")), "decode_4k")
+    pick = lambda r: "float32" if r > 1 else "bfloat16"  # noqa: E731
+    return ({"long": pick(ratio[long_key]), "short": pick(ratio["decode_short"])},
+            f"bench/results/{path.name}: float32 over bfloat16 decode {ratio[long_key]:.2f}x ({long_key}), "
+            f"{ratio['decode_short']:.2f}x (decode_short)")  # fmt: skip
+
+
+def server_dtypes(args) -> tuple[dict[str, str | None], str]:
+    """Each server's ``--dtype`` (None: the launcher's choice) and where the dense ones came from."""
+    measured, source = measured_dtypes()
+    pick = lambda flag, kind: measured.get(kind) if flag == "auto" else flag  # noqa: E731
+    dtypes = {"dense_same_pool": pick(args.dense_dtype, "long"), "sparse": None,
+              "dense_room": pick(args.dense_dtype, "long"), "ceiling": pick(args.ceiling_dtype, "short")}  # fmt: skip
+    if "auto" not in (args.dense_dtype, args.ceiling_dtype):
+        source = "--dense-dtype and --ceiling-dtype as given"
+    elif not measured:
+        source += "; auto fell back to the launcher's choice"
+    return dtypes, source
 
 
 def level_prompts(tok, level: int, tokens: int, tag: str) -> list[tuple[str, int, int]]:
@@ -193,6 +237,10 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--max-total-tokens", type=int, default=8400, help="device KV pool of dense_same_pool and sparse")
     ap.add_argument("--sample-interval", type=float, default=1.0, help="seconds between sidecar scrapes")
+    ap.add_argument("--dense-dtype", default="auto", choices=DTYPES,
+                    help="dtype of dense_same_pool and dense_room (auto: the faster one bench.dtype_cpu measured here)")
+    ap.add_argument("--ceiling-dtype", default="auto", choices=DTYPES,
+                    help="dtype of the ceiling server (auto: as --dense-dtype, for ~100-token contexts)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/concurrency_HOSTCLASS.json)")
     ap.add_argument("--plot", default=None, help="PNG path (default: the JSON's path with .png)")
     args = ap.parse_args(argv)
@@ -217,22 +265,27 @@ def main(argv: list[str] | None = None) -> int:
     from dd_sglang.platform.dtype import default_dtype
 
     command = "python -m bench.concurrency " + " ".join(argv) if argv is not None else command_line()
-    dtype = default_dtype()  # neither dense server is given --dtype: the launcher's choice on this host
-    prov = provenance(command, dtype)  # taken before the run: its commit and date
+    dtype = default_dtype()  # the sparse server's: the launcher's choice on this host
+    dtypes, dtype_choice = server_dtypes(args)
+    label = {name: d or dtype for name, d in dtypes.items()}
+    summary_dtype = ", ".join(f"{name} {d}" for name, d in label.items())
+    prov = provenance(command, summary_dtype)  # taken before the run: its commit and date
     before = machine_state()
     print(summary(before), file=sys.stderr, flush=True)
+    print(f"dtypes: {summary_dtype} ({dtype_choice})", file=sys.stderr, flush=True)
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     args.layers = n_layers_of_model()
     prompts = {n: {"long": level_prompts(tok, n, args.prompt_tokens, "long"),
                    "short": level_prompts(tok, n, args.ceiling_tokens, "short")} for n in args.level_list}  # fmt: skip
     room = max(room_budget(p["long"], args.new_tokens) for p in prompts.values())
+    short_room = max(room_budget(p["short"], args.new_tokens) for p in prompts.values())
     budgets = {"dense_same_pool": ("torch_native", args.max_total_tokens), "sparse": ("dualdecoder",
-               args.max_total_tokens), "dense_room": ("torch_native", room)}  # fmt: skip
+               args.max_total_tokens), "dense_room": ("torch_native", room), "ceiling": ("torch_native", short_room)}  # fmt: skip
     servers = {}
     levels = []
     try:
         for name, (backend, budget) in budgets.items():  # launched together: start-up is mostly imports
-            servers[name] = launch_backend(backend, budget)
+            servers[name] = launch_backend(backend, budget, dtype=dtypes[name])
         for srv, _ in servers.values():
             srv.wait_ready(900)
         names = list(CONFIGS)
@@ -249,12 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": prov,
         "machine": describe(before, machine_state()),
         "host_class": host(dtype)["host_class"],
-        "dtype": dtype,
+        "dtype": summary_dtype,
+        "dtype_choice": dtype_choice,
         "prompt_tokens": args.prompt_tokens,
         "ceiling_prompt_tokens": args.ceiling_tokens,
         "new_tokens": args.new_tokens,
-        "servers": {name: {"attention_backend": b, "device_kv_budget_tokens": t, "shutdown": shutdowns.get(name)}
-                    for name, (b, t) in budgets.items()},  # fmt: skip
+        "servers": {name: {"attention_backend": b, "device_kv_budget_tokens": t, "dtype": label[name],
+                           "shutdown": shutdowns.get(name)} for name, (b, t) in budgets.items()},  # fmt: skip
         "levels": levels,
         "goals": goals(levels),
     }

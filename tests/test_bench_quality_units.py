@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from types import SimpleNamespace
@@ -272,3 +273,24 @@ def test_concurrency_refuses_bad_flags_before_starting_a_server(argv, needle, ca
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_concurrency_dense_dtype_from_the_measurement_of_this_host(tmp_path):
+    """``--dense-dtype auto``: the dtype bench.dtype_cpu measured decoding faster, only for the host it ran on."""
+    from bench.concurrency import measured_dtypes
+
+    here = {"host_class": "amd_epyc_cpu", "cpu_flags": ["avx512_bf16", "avx512f"]}
+    result = {"float32_over_bfloat16": {"decode_4k": 1.69, "decode_4k_batch_8": 0.9, "decode_short": 0.86},
+              "provenance": {"machine": {"host_class": "amd_epyc_cpu", "cpu_flags": ["avx512f", "avx512_bf16"]}}}  # fmt: skip
+    path = tmp_path / "dtype_cpu.json"
+    path.write_text(json.dumps(result))
+    dtypes, source = measured_dtypes(path, here)
+    assert dtypes == {"long": "bfloat16", "short": "bfloat16"}  # the batch's ratio decides, not one request's
+    assert "0.90x (decode_4k_batch_8)" in source
+    result["float32_over_bfloat16"]["decode_4k_batch_8"] = 1.55
+    path.write_text(json.dumps(result))
+    assert measured_dtypes(path, here)[0] == {"long": "float32", "short": "bfloat16"}
+    other = {"host_class": "amd_epyc_cpu", "cpu_flags": ["avx512f"]}  # no native bf16: not the same host
+    assert measured_dtypes(path, other)[0] == {}
+    assert measured_dtypes(tmp_path / "missing.json", here) == ({}, "no bench.dtype_cpu measurement to read "
+                                                                    "(missing.json: FileNotFoundError)")  # fmt: skip
