@@ -7,7 +7,8 @@ Usage::
                                 [--dense-dtype auto] [--ceiling-dtype auto]
                                 [--out bench/results/concurrency_HOSTCLASS.json] [--plot PATH.png]
 
-Four servers up at once (an idle one sleeps: ``sleep-on-idle``), each with the default preset:
+Four servers, each with the default preset, in two groups (:data:`PHASES`): the first three up at once
+(an idle one sleeps: ``sleep-on-idle``) for every level, then ``dense_room`` alone:
 
 * ``dense_same_pool``: SGLang's own dense path (``--attention-backend torch_native``) with a device
   KV pool of ``--max-total-tokens`` tokens (8,400: two ~4k requests at a time; the others wait);
@@ -27,8 +28,8 @@ float32 for the first, 1.55x bfloat16 at eight ~4k requests, and bfloat16 for th
 float32). Without a matching measurement ``auto`` is the launcher's choice, and the JSON says so. It
 records each server's dtype and where the choice came from (``dtype_choice``).
 
-For each level N of ``--levels`` and each configuration (order rotated by one per level, so a slow
-stretch of the machine does not fall on one configuration): the server's caches flushed, then N
+For each level N of ``--levels`` and each configuration of a group (order rotated by one per level,
+so a slow stretch of the machine does not fall on one configuration): the server's caches flushed, then N
 distinct passkey prompts sent at once, streamed, greedy, ``--new-tokens`` each (``ignore_eos``), as
 :func:`bench.capacity.run_round` does; fresh passkeys and headers per level. Recorded per run:
 ``output_tokens_per_second`` (all generated tokens over the wall time of the run),
@@ -70,6 +71,12 @@ CONFIGS = {
     "dense_room": ("dense_room", "long"),
     "ceiling": ("ceiling", "short"),
 }
+#: Servers up together, one group after the other. The goals' ratios (sparse over dense_same_pool and
+#: over ceiling) are measured side by side in the first group; dense_room, the largest (a float32 pool
+#: for sixteen ~4k requests), runs alone after it. All four at once took ~20 of the 2-core host's 24 GB
+#: and the machine evicted and re-read its page cache throughout (a first attempt: every rate ~25%
+#: below the previous run's, half the CPU time in the kernel).
+PHASES = (("dense_same_pool", "sparse", "ceiling"), ("dense_room",))
 #: ``python -m bench.dtype_cpu``'s result, read by ``--dense-dtype auto`` and ``--ceiling-dtype auto``.
 DTYPE_RESULT = Path(__file__).resolve().parent / "results" / "dtype_cpu.json"
 DTYPES = ("auto", "bfloat16", "float32")
@@ -252,7 +259,7 @@ def parse_args(argv: list[str] | None):
         args.level_list
     ):
         ap.error(f"--levels must name distinct integers in [1, 64], got {args.levels!r}")
-    check_ranges(ap, args, (("prompt_tokens", 512, 32768), ("ceiling_tokens", 64, 4096), ("new_tokens", 2, 4096),
+    check_ranges(ap, args, (("prompt_tokens", 512, 32768), ("ceiling_tokens", 200, 4096), ("new_tokens", 2, 4096),
                             ("max_total_tokens", 1024, 10_000_000), ("sample_interval", 0.05, 10)))  # fmt: skip
     return args
 
@@ -281,21 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     short_room = max(room_budget(p["short"], args.new_tokens) for p in prompts.values())
     budgets = {"dense_same_pool": ("torch_native", args.max_total_tokens), "sparse": ("dualdecoder",
                args.max_total_tokens), "dense_room": ("torch_native", room), "ceiling": ("torch_native", short_room)}  # fmt: skip
-    servers = {}
-    levels = []
-    try:
-        for name, (backend, budget) in budgets.items():  # launched together: start-up is mostly imports
-            servers[name] = launch_backend(backend, budget, dtype=dtypes[name])
-        for srv, _ in servers.values():
-            srv.wait_ready(900)
-        names = list(CONFIGS)
-        for i, n in enumerate(args.level_list):
-            order = names[i % len(names) :] + names[: i % len(names)]
-            runs = run_level(n, servers, prompts[n], order, args)
-            levels.append({"requests": n, "order": order, "runs": runs, "ratios": level_ratios(runs)})
-            print(f"level {n}: {levels[-1]['ratios']}", file=sys.stderr, flush=True)
-    finally:
-        shutdowns = {name: stop_backend(name, srv, log) for name, (srv, log) in servers.items()}
+    runs, orders, shutdowns = {n: {} for n in args.level_list}, {n: [] for n in args.level_list}, {}
+    for phase in PHASES:
+        servers = {}
+        try:
+            for name in phase:  # launched together: start-up is mostly imports
+                servers[name] = launch_backend(*budgets[name], dtype=dtypes[name])
+            for srv, _ in servers.values():
+                srv.wait_ready(900)
+            for i, n in enumerate(args.level_list):
+                order = list(phase[i % len(phase) :] + phase[: i % len(phase)])
+                runs[n].update(run_level(n, servers, prompts[n], order, args))
+                orders[n] += order
+        finally:
+            shutdowns.update({name: stop_backend(name, srv, log) for name, (srv, log) in servers.items()})
+    levels = [{"requests": n, "order": orders[n], "runs": runs[n], "ratios": level_ratios(runs[n])}
+              for n in args.level_list]  # fmt: skip
+    for lv in levels:
+        print(f"level {lv['requests']}: {lv['ratios']}", file=sys.stderr, flush=True)
     result = {
         "benchmark": "throughput against concurrency: dense SGLang, the sparse default and its ceiling (CPU)",
         "command": command,
