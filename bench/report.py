@@ -293,6 +293,10 @@ def concurrency_table(res: dict) -> str:
                      f"| {_num(r['sparse_over_dense_same_pool'])}x | {_num(r['sparse_over_dense_room'])}x "
                      f"| {_num(r['ceiling_fraction'])} | {step} "
                      f"| {runs['sparse']['found']}/{runs['sparse']['total']} |")  # fmt: skip
+    dtypes = ", ".join(f"{n} {s['dtype']}" for n, s in (res.get("servers") or {}).items() if s.get("dtype"))
+    if dtypes:
+        choice = f" ({res['dtype_choice']})" if res.get("dtype_choice") else ""
+        lines += ["", f"Servers' dtypes: {dtypes}{choice}."]
     goals = res.get("goals") or {}
     if goals:
         lines += ["", "Issue 41's goals: " + "; ".join(
