@@ -401,7 +401,8 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
                     f"{r.get('rounds', 1)} round(s).", "", capacity_table(r)]  # fmt: skip
         elif name.startswith("concurrency"):
             out += [f"~{r['prompt_tokens']:,}-token requests (ceiling: ~{r['ceiling_prompt_tokens']} tokens), "
-                    f"{r['new_tokens']} new tokens each, streamed, greedy; dense in {r['dtype']}; device KV pool of "
+                    f"{r['new_tokens']} new tokens each, streamed, greedy; "
+                    f"{'dtypes below' if 'dtype' in r['servers']['sparse'] else 'dense in ' + r['dtype']}; device KV pool of "
                     f"dense same pool and sparse {r['servers']['sparse']['device_kv_budget_tokens']:,} tokens, "
                     f"dense room {r['servers']['dense_room']['device_kv_budget_tokens']:,}:", "",
                     concurrency_table(r)]  # fmt: skip
