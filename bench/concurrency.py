@@ -28,7 +28,8 @@ float32 for the first, 1.55x bfloat16 at eight ~4k requests, and bfloat16 for th
 float32). Without a matching measurement ``auto`` is the launcher's choice, and the JSON says so. It
 records each server's dtype and where the choice came from (``dtype_choice``).
 
-For each level N of ``--levels`` and each configuration of a group (order rotated by one per level,
+Each server first decodes one request of its kind, not measured (:func:`warm_up`). For each level N
+of ``--levels`` and each configuration of a group (order rotated by one per level,
 so a slow stretch of the machine does not fall on one configuration): the server's caches flushed, then N
 distinct passkey prompts sent at once, streamed, greedy, ``--new-tokens`` each (``ignore_eos``), as
 :func:`bench.capacity.run_round` does; fresh passkeys and headers per level. Recorded per run:
@@ -144,6 +145,24 @@ def _sparse_phases(before: dict, after: dict, layers: int) -> dict:
     phases = ("step", "plan", "select", "assemble", "attention", "exposed_wait", "rest", "select_ahead")
     b["per_row"] = {p: b[p] / rows for p in phases} if rows > 0 else {}
     return b
+
+
+#: Tokens of each server's warm-up request (:func:`warm_up`).
+WARMUP_TOKENS = 16
+
+
+def warm_up(servers: dict, prompts: dict, args) -> None:
+    """Before a group's first level: each server of ``servers`` decodes one request of its kind
+    (``prompts``: ``{"long": [...], "short": [...]}``, one prompt each) for :data:`WARMUP_TOKENS`
+    tokens, not measured, the servers one after the other, so start-up tails and first-request costs
+    (a sparse server's first host-tier pages) stay out of the levels. A run without it measured the
+    first configuration, dense in the 8,400-token pool at one ~4k request, at 6.3 tokens/s; a later
+    check (two float32 dense servers up) measured ~10 with either pool size."""
+    warm = argparse.Namespace(**{**vars(args), "new_tokens": WARMUP_TOKENS})
+    for name, (srv, _) in servers.items():
+        server, kind = CONFIGS[name]
+        run_round("dualdecoder" if server == "sparse" else "torch_native", srv, prompts[kind], warm)
+        flush_when_idle(srv)
 
 
 def run_level(level: int, servers: dict, prompts: dict, order: list[str], args) -> dict:
@@ -284,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layers = n_layers_of_model()
     prompts = {n: {"long": level_prompts(tok, n, args.prompt_tokens, "long"),
                    "short": level_prompts(tok, n, args.ceiling_tokens, "short")} for n in args.level_list}  # fmt: skip
+    warm_prompts = {"long": level_prompts(tok, 1, args.prompt_tokens, "warm"),
+                    "short": level_prompts(tok, 1, args.ceiling_tokens, "warm")}  # fmt: skip
     room = max(room_budget(p["long"], args.new_tokens) for p in prompts.values())
     short_room = max(room_budget(p["short"], args.new_tokens) for p in prompts.values())
     budgets = {"dense_same_pool": ("torch_native", args.max_total_tokens), "sparse": ("dualdecoder",
@@ -296,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers[name] = launch_backend(*budgets[name], dtype=dtypes[name])
             for srv, _ in servers.values():
                 srv.wait_ready(900)
+            warm_up(servers, warm_prompts, args)
             for i, n in enumerate(args.level_list):
                 order = list(phase[i % len(phase) :] + phase[: i % len(phase)])
                 runs[n].update(run_level(n, servers, prompts[n], order, args))
