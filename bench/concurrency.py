@@ -16,8 +16,9 @@ Four servers, each with the default preset, in two groups (:data:`PHASES`): the 
   decode sparsely, their KV in the host tier), in the dtype the launcher chooses on this host;
 * ``dense_room``: SGLang's dense path with a pool that holds every request of the largest level at once
   (the memory the sparse path saves, given to dense);
-* ``ceiling``: SGLang's dense path, each request a ~``--ceiling-tokens`` prompt (388: what a sparse
-  row attends, 4 sink + 128 recent + 256 critical tokens). A sparse step does at least this step's work,
+* ``ceiling``: SGLang's dense path, each request a ~``--ceiling-tokens`` prompt (388, the size a sparse
+  row attends, 4 sink + 128 recent + 256 critical tokens: ``passkey_prompt`` builds 325 tokens, ~420
+  on average with the new tokens). A sparse step does at least this step's work,
   so ``sparse`` over ``ceiling`` is the fraction of its own ceiling the sparse path reaches.
 
 The dense servers run in the dtype that decodes fastest on this host (``--dense-dtype`` and
@@ -48,7 +49,7 @@ fraction >= 0.9 at 1 request and >= 0.8 at 8 and 16; same-pool output >= 4x at 8
 
 Output: JSON with provenance (:func:`bench.client.write_result`) and a PNG (output and steady decode
 tokens/s against concurrency, one line per configuration, and the ceiling fraction). Nothing here is a
-pass/fail test; loopback only; every server stopped at the end.
+pass/fail test; loopback only; each group's servers are stopped before the next group starts.
 """
 
 from __future__ import annotations
@@ -115,11 +116,13 @@ def server_dtypes(args) -> tuple[dict[str, str | None], str]:
     pick = lambda flag, kind: measured.get(kind) if flag == "auto" else flag  # noqa: E731
     dtypes = {"dense_same_pool": pick(args.dense_dtype, "long"), "sparse": None,
               "dense_room": pick(args.dense_dtype, "long"), "ceiling": pick(args.ceiling_dtype, "short")}  # fmt: skip
-    if "auto" not in (args.dense_dtype, args.ceiling_dtype):
-        source = "--dense-dtype and --ceiling-dtype as given"
-    elif not measured:
+    given = [f"--{k}-dtype {v}" for k, v in (("dense", args.dense_dtype), ("ceiling", args.ceiling_dtype))
+             if v != "auto"]  # fmt: skip
+    if len(given) == 2:
+        return dtypes, "--dense-dtype and --ceiling-dtype as given"
+    if not measured:
         source += "; auto fell back to the launcher's choice"
-    return dtypes, source
+    return dtypes, "; ".join([source, *(f"{g} as given" for g in given)])
 
 
 def level_prompts(tok, level: int, tokens: int, tag: str) -> list[tuple[str, int, int]]:
@@ -258,7 +261,7 @@ def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--levels", default="1,2,4,8,16", help="concurrent requests per run, comma-separated")
-    ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target of a long request")
+    ap.add_argument("--prompt-tokens", type=int, default=4200, help="passkey_prompt size target of a long request (4200 builds 3,997 tokens)")
     ap.add_argument("--ceiling-tokens", type=int, default=388, help="prompt size of a ceiling request")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--max-total-tokens", type=int, default=8400, help="device KV pool of dense_same_pool and sparse")
@@ -323,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs[n].update(run_level(n, servers, prompts[n], order, args))
                 orders[n] += order
         finally:
-            shutdowns.update({name: stop_backend(name, srv, log) for name, (srv, log) in servers.items()})
+            for name, (srv, log) in servers.items():  # each stopped even if another's stop raised
+                try:
+                    shutdowns[name] = stop_backend(name, srv, log)
+                except Exception as err:  # noqa: BLE001 - recorded; the next server is still stopped
+                    shutdowns[name] = {"error": repr(err)}
     levels = [{"requests": n, "order": orders[n], "runs": runs[n], "ratios": level_ratios(runs[n])}
               for n in args.level_list]  # fmt: skip
     for lv in levels:

@@ -266,6 +266,8 @@ def test_concurrency_ratios_and_goals_by_hand():
     (["--levels", "2,2"], "--levels must name distinct integers in [1, 64]"),
     (["--levels", "a"], "--levels must be comma-separated integers"),
     (["--new-tokens", "1"], "--new-tokens must be in [2, 4096], got 1"),
+    (["--ceiling-tokens", "199"], "--ceiling-tokens must be in [200, 4096], got 199"),
+    (["--dense-dtype", "float16"], "argument --dense-dtype: invalid choice: 'float16'"),
 ])  # fmt: skip
 def test_concurrency_refuses_bad_flags_before_starting_a_server(argv, needle, capsys):
     from bench.concurrency import parse_args
@@ -294,3 +296,17 @@ def test_concurrency_dense_dtype_from_the_measurement_of_this_host(tmp_path):
     assert measured_dtypes(path, other)[0] == {}
     assert measured_dtypes(tmp_path / "missing.json", here) == ({}, "no bench.dtype_cpu measurement to read "
                                                                     "(missing.json: FileNotFoundError)")  # fmt: skip
+
+
+def test_concurrency_server_dtypes_say_where_each_came_from(monkeypatch):
+    """The sparse server keeps the launcher's dtype; a dtype given on the command line wins over the
+    measurement, and the JSON's ``dtype_choice`` says which flag was given."""
+    import bench.concurrency as bc
+
+    monkeypatch.setattr(bc, "measured_dtypes", lambda: ({"long": "float32", "short": "bfloat16"}, "measured"))
+    dtypes, source = bc.server_dtypes(bc.parse_args(["--ceiling-dtype", "float32"]))
+    assert dtypes == {"dense_same_pool": "float32", "sparse": None, "dense_room": "float32", "ceiling": "float32"}
+    assert source == "measured; --ceiling-dtype float32 as given"
+    monkeypatch.setattr(bc, "measured_dtypes", lambda: ({}, "no measurement"))
+    dtypes, source = bc.server_dtypes(bc.parse_args([]))
+    assert set(dtypes.values()) == {None} and source == "no measurement; auto fell back to the launcher's choice"
