@@ -73,6 +73,9 @@ CONFIGS = {
     "dense_room": ("dense_room", "long"),
     "ceiling": ("ceiling", "short"),
 }
+#: Each server's ``--attention-backend``.
+BACKENDS = {"dense_same_pool": "torch_native", "sparse": "dualdecoder", "dense_room": "torch_native",
+            "ceiling": "torch_native"}  # fmt: skip
 #: Servers up together, one group after the other. The goals' ratios (sparse over dense_same_pool and
 #: over ceiling) are measured side by side in the first group; dense_room, the largest (a float32 pool
 #: for sixteen ~4k requests), runs alone after it. All four at once took ~20 of the 2-core host's 24 GB
@@ -164,7 +167,7 @@ def warm_up(servers: dict, prompts: dict, args) -> None:
     warm = argparse.Namespace(**{**vars(args), "new_tokens": WARMUP_TOKENS})
     for name, (srv, _) in servers.items():
         server, kind = CONFIGS[name]
-        run_round("dualdecoder" if server == "sparse" else "torch_native", srv, prompts[kind], warm)
+        run_round(BACKENDS[server], srv, prompts[kind], warm)
         flush_when_idle(srv)
 
 
@@ -176,8 +179,7 @@ def run_level(level: int, servers: dict, prompts: dict, order: list[str], args) 
         srv = servers[server][0]
         flush_when_idle(srv)
         before = scrape(srv.metrics_url)
-        spec = "dualdecoder" if server == "sparse" else "torch_native"
-        run = run_round(spec, srv, prompts[kind], args)
+        run = run_round(BACKENDS[server], srv, prompts[kind], args)
         run.pop("latency_seconds", None)
         if server == "sparse":
             run["breakdown"] = _sparse_phases(before, scrape(srv.metrics_url), args.layers)
@@ -310,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                     "short": level_prompts(tok, 1, args.ceiling_tokens, "warm")}  # fmt: skip
     room = max(room_budget(p["long"], args.new_tokens) for p in prompts.values())
     short_room = max(room_budget(p["short"], args.new_tokens) for p in prompts.values())
-    budgets = {"dense_same_pool": ("torch_native", args.max_total_tokens), "sparse": ("dualdecoder",
-               args.max_total_tokens), "dense_room": ("torch_native", room), "ceiling": ("torch_native", short_room)}  # fmt: skip
+    tokens = {"dense_same_pool": args.max_total_tokens, "sparse": args.max_total_tokens, "dense_room": room,
+              "ceiling": short_room}  # fmt: skip
+    budgets = {name: (BACKENDS[name], tokens[name]) for name in BACKENDS}
     runs, orders, shutdowns = {n: {} for n in args.level_list}, {n: [] for n in args.level_list}, {}
     for phase in PHASES:
         servers = {}

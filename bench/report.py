@@ -293,10 +293,8 @@ def concurrency_table(res: dict) -> str:
                      f"| {_num(r['sparse_over_dense_same_pool'])}x | {_num(r['sparse_over_dense_room'])}x "
                      f"| {_num(r['ceiling_fraction'])} | {step} "
                      f"| {runs['sparse']['found']}/{runs['sparse']['total']} |")  # fmt: skip
-    dtypes = ", ".join(f"{n} {s['dtype']}" for n, s in (res.get("servers") or {}).items() if s.get("dtype"))
-    if dtypes:
-        choice = f" ({res['dtype_choice']})" if res.get("dtype_choice") else ""
-        lines += ["", f"Servers' dtypes: {dtypes}{choice}."]
+    dtypes = ", ".join(f"{n} {s['dtype']}" for n, s in res["servers"].items())
+    lines += ["", f"Servers' dtypes: {dtypes} ({res['dtype_choice']})."]
     goals = res.get("goals") or {}
     if goals:
         lines += ["", "Issue 41's goals: " + "; ".join(
@@ -402,7 +400,7 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
         elif name.startswith("concurrency"):
             out += [f"~{r['prompt_tokens']:,}-token requests (ceiling: ~{r['ceiling_prompt_tokens']} tokens), "
                     f"{r['new_tokens']} new tokens each, streamed, greedy; "
-                    f"{'dtypes below' if 'dtype' in r['servers']['sparse'] else 'dense in ' + r['dtype']}; device KV pool of "
+                    f"each server's dtype below; device KV pool of "
                     f"dense same pool and sparse {r['servers']['sparse']['device_kv_budget_tokens']:,} tokens, "
                     f"dense room {r['servers']['dense_room']['device_kv_budget_tokens']:,}:", "",
                     concurrency_table(r)]  # fmt: skip
