@@ -283,6 +283,16 @@ class ExperimentalSection(_Strict):
         "so the guess matches a sampled token about as often as a greedy one; ``independent`` (measured worse) "
         "leaves SGLang's sampling alone and speculates the argmax.",
     )
+    first_level_tokens: int | None = Field(
+        None, ge=64, le=1_000_000,
+        description="Two-level selection (``host_sync``, ``spec_host`` and verification, C kernel only): the host "
+        "index first ranks 16-token blocks by their int8 mean key and scores only the tokens of each KV head's best "
+        "``first_level_tokens / 16`` blocks (the union over the row's KV heads), then re-ranks as without it; a "
+        "selection whose ``rerank x top_k`` needs more than the budget less 32 tokens scans every candidate. "
+        "``null``: every candidate (the full scan). Measured worse on SmolLM2 at 4k and 8k: recall of the exact "
+        "top 256 fell below 0.99 of the full scan's at every budget under half the index "
+        "(``bench/results/select_recall_cpu.json``, ``docs/quality.md``).",
+    )  # fmt: skip
     n_keep: int = Field(
         0, ge=0, le=1_000_000,
         description="Resident tokens beside the sinks and the window: those with the largest key L2 norm summed "

@@ -520,8 +520,7 @@ static float logaddexp(float a, float b) {
  * position of candidate c): steps 3-7 of the header. Writes k positions and slots, best first. */
 static void select_head(const float *a, int n, const int32_t *cpos, int G, int D, int k, int m,
                         float scale, const float (*qf)[MAXD], const char *keys_l, int64_t key_row,
-                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, const uint8_t *skip,
-                        scored *sc, float *e, float *sv, int64_t *op, int64_t *os) {
+                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc, float *e, float *sv, int64_t *op, int64_t *os) {
     float z[MAXG], taken[MAXG];
     if (n <= k) { /* not expected (rows have more than k candidates); keep what there is */
         for (int c = 0; c < k; c++) {
@@ -584,7 +583,6 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
             float v = e[(int64_t)j * mm + i] - z[j];
             best = v > best ? v : best;
         }
-        if (skip && (skip[sc[i].i >> 3] >> (sc[i].i & 7) & 1)) best = -INFINITY; /* held: never chosen */
         sc[i].v = best;
     }
     if (k < mm) select_top(sc, mm, k);
@@ -680,45 +678,95 @@ static void approx_logits(const row_queries *Q, const int64_t *srow, const int32
     }
 }
 
+/* The first level of the two-level selection (pages > 0): keep only the candidates of the best
+ * `pages` 16-slot blocks of each KV head, the union over the row's KV heads.
+ *
+ * A block is 16 consecutive positions in 16 aligned host slots (the host tier allocates whole
+ * pages of a multiple of 16 slots), so block b of the tier is slots [16 b, 16 b + 16) and its
+ * summary is one row of c8 / csl: the int8 mean of its keys with its own absmax scale
+ * (QuantKeyIndex.update). Each block is scored like a candidate token (steps 1-3 of the header,
+ * on the block means: approximate logit, per query the log-sum-exp over the row's blocks, the
+ * max over the GQA group), and per KV head the `pages` best blocks are kept (ties: the first in
+ * position order). cpos[0..n) is compacted in place to the kept candidates, in the same order;
+ * returns their count (n itself when the row has at most `pages` blocks). Bytes read: the
+ * blocks' summaries (1/16 of the index's) and then the kept candidates' index rows.
+ * Returns -1 when out of memory. */
+static int first_level(const row_queries *Q, const int64_t *srow, int32_t *cpos, int n, const int8_t *c8l,
+                       const float *csl, int H, int G, int D, int simd, int pages) {
+    int nb = 0, last = -1;
+    for (int c = 0; c < n; c++) nb += (cpos[c] >> 4) != last ? (last = cpos[c] >> 4, 1) : 0;
+    if (nb <= pages) return n;
+    int64_t *bslot = malloc(sizeof(int64_t) * (size_t)nb);
+    int32_t *iota = malloc(sizeof(int32_t) * (size_t)nb);
+    float *ab = malloc(sizeof(float) * (size_t)H * G * nb);
+    float *ps = malloc(sizeof(float) * 3 * (size_t)nb); /* scores, then kth_largest's scratch */
+    scored *top = malloc(sizeof(scored) * (size_t)nb);
+    uint8_t *keep = calloc((size_t)nb, 1);
+    int rc = bslot && iota && ab && ps && top && keep ? 0 : -1;
+    if (rc == 0) {
+        nb = 0, last = -1;
+        for (int c = 0; c < n; c++)
+            if ((cpos[c] >> 4) != last) {
+                last = cpos[c] >> 4;
+                bslot[nb] = srow[cpos[c]] >> 4;
+                iota[nb] = nb;
+                nb++;
+            }
+        approx_logits(Q, bslot, iota, nb, 0, nb, c8l, csl, H, G, D, simd, ab);
+        for (int h = 0; h < H; h++) {
+            const float *ah = ab + (int64_t)h * G * nb;
+            float z[MAXG];
+            for (int j = 0; j < G; j++) z[j] = lse(ah + (int64_t)j * nb, nb);
+            group_scores(ah, nb, G, z, ps);
+            int got = take_top(ps, nb, kth_largest(ps, nb, pages, (uint32_t *)(ps + nb)), pages, top);
+            for (int i = 0; i < got; i++) keep[top[i].i] = 1;
+        }
+        int w = 0, b = -1;
+        last = -1;
+        for (int c = 0; c < n; c++) {
+            if ((cpos[c] >> 4) != last) last = cpos[c] >> 4, b++;
+            if (keep[b]) cpos[w++] = cpos[c];
+        }
+        rc = w;
+    }
+    free(bslot);
+    free(iota);
+    free(ab);
+    free(ps);
+    free(top);
+    free(keep);
+    return rc;
+}
+
 /* Per-thread scratch of select_head for rows of P positions. */
 typedef struct {
     scored *sc;
     float *e, *sv;
-    uint8_t *skip;
 } head_scratch;
 
-static int scratch_alloc(head_scratch *w, int P, int G, int m, int held) {
+static int scratch_alloc(head_scratch *w, int P, int G, int m) {
     w->sc = malloc(sizeof(scored) * (size_t)P);
     w->e = malloc(sizeof(float) * (size_t)G * m);
     w->sv = malloc(sizeof(float) * 3 * (size_t)P); /* scores, then kth_largest's scratch */
-    w->skip = held ? malloc(((size_t)P + 7) / 8) : NULL;
-    return w->sc && w->e && w->sv && (!held || w->skip) ? 0 : -1;
+    return w->sc && w->e && w->sv ? 0 : -1;
 }
 
 static void scratch_free(head_scratch *w) {
     free(w->sc);
     free(w->e);
     free(w->sv);
-    free(w->skip);
 }
 
 /* steps 3-7 for KV head h of task (l, r), from its approximate logits a (the task's [H G, n]). */
 static void select_task_head(int l, int r, int h, int R, int H, int G, int D, int P, int64_t S, int n,
                              const int32_t *cpos, const float *a, const row_queries *Q, const int64_t *srow,
                              const void *keys, int key_bf16, int k, int m, float scale, int simd,
-                             int64_t *out_pos, int64_t *out_slots, const int64_t *held, const int64_t *held_n,
-                             int held_k, head_scratch *w) {
+                             int64_t *out_pos, int64_t *out_slots, head_scratch *w) {
     const char *keys_l = (const char *)keys + (int64_t)l * S * H * D * (key_bf16 ? 2 : 4);
     int64_t o = (((int64_t)l * R + r) * H + h) * k;
-    if (w->skip) { /* this head's held positions: a bitmap by position */
-        memset(w->skip, 0, ((size_t)P + 7) / 8);
-        const int64_t *hp = held + (((int64_t)l * R + r) * H + h) * held_k;
-        int64_t hn = held_n[r] < held_k ? held_n[r] : held_k;
-        for (int64_t j = 0; j < hn; j++)
-            if (hp[j] >= 0 && hp[j] < P) w->skip[hp[j] >> 3] |= (uint8_t)(1u << (hp[j] & 7));
-    }
+    (void)P;
     select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])Q->qf[h * G], keys_l,
-                (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, w->skip, w->sc, w->e, w->sv, out_pos + o,
+                (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, w->sc, w->e, w->sv, out_pos + o,
                 out_slots + o);
 }
 
@@ -730,22 +778,21 @@ static void select_task_head(int l, int r, int h, int R, int H, int G, int D, in
  * q8       [L, S, H, D] int8, kscale [L, S, H] float32   the int8 key index of the chunk's layers
  * keys     [L, S, H, D] bfloat16 (key_bf16 = 1) or float32   the host tier's keys
  * out_pos, out_slots [L, R, H, k] int64
- * held     [L, R, H, held_k] int64 positions, held_n [R] int64, or NULL: the first held_n[r] positions of
- *          each row and head are never chosen (a repair: the k best of the re-ranked candidates that
- *          the row does not hold already; the candidates are the same m as without them)
+ * c8       [L, S / 16, H, D] int8, cscale [L, S / 16, H] float32, or NULL: the 16-slot blocks' mean keys
+ *          (first_level); with pages > 0 each row's candidates are first cut to its KV heads' best
+ *          `pages` blocks (pages 0: every candidate, the full scan)
  * Returns 0, or -1 for a shape this kernel does not take (H * G > MAXG, D > MAXD, k > m, no memory). */
 int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
                         const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
                         const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
-                        int64_t *out_slots, const int64_t *held, const int64_t *held_n, int held_k, int t0,
-                        int t1) {
+                        int64_t *out_slots, const int8_t *c8, const float *cscale, int pages, int t0, int t1) {
     if (L < 1 || H * G > MAXG || D > MAXD || k > m || k < 1 || t0 < 0 || t1 > L * R) return -1;
     const int HG = H * G;
     float *a = malloc(sizeof(float) * (size_t)HG * P);
     int32_t *cpos = malloc(sizeof(int32_t) * (size_t)P);
     row_queries Q;
     head_scratch w;
-    int bad = scratch_alloc(&w, P, G, m, held != NULL);
+    int bad = scratch_alloc(&w, P, G, m);
     if (!a || !cpos || bad) {
         free(a);
         free(cpos);
@@ -761,16 +808,21 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         int n = 0;
         for (int p = 0; p < P; p++)
             if (okrow[p]) cpos[n++] = p;
+        if (pages > 0 && c8 && (n = first_level(&Q, srow, cpos, n, c8 + (int64_t)l * (S >> 4) * H * D,
+                                                cscale + (int64_t)l * (S >> 4) * H, H, G, D, simd, pages)) < 0) {
+            bad = 1;
+            break;
+        }
         approx_logits(&Q, srow, cpos, n, 0, n, q8 + (int64_t)l * S * H * D, kscale + (int64_t)l * S * H, H, G, D,
                       simd, a);
         for (int h = 0; h < H; h++)
             select_task_head(l, r, h, R, H, G, D, P, S, n, cpos, a, &Q, srow, keys, key_bf16, k, m, scale, simd,
-                             out_pos, out_slots, held, held_n, held_k, &w);
+                             out_pos, out_slots, &w);
     }
     free(a);
     free(cpos);
     scratch_free(&w);
-    return 0;
+    return bad ? -1 : 0;
 }
 
 /* Task t of the grid on `threads` threads (for fewer tasks than threads, e.g. one row's selection
@@ -780,8 +832,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
 static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
                             const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
                             const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
-                            int64_t *out_slots, const int64_t *held, const int64_t *held_n, int held_k,
-                            int threads) {
+                            int64_t *out_slots, const int8_t *c8, const float *cscale, int pages, int threads) {
     const int HG = H * G, r = t % R, l = t / R;
     const int simd = SIMD_D > 1 && D % SIMD_D == 0;
     float *a = malloc(sizeof(float) * (size_t)HG * P);
@@ -800,6 +851,13 @@ static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int
     int n = 0, rc = 0;
     for (int p = 0; p < P; p++)
         if (okrow[p]) cpos[n++] = p;
+    if (pages > 0 && c8 && (n = first_level(Q, srow, cpos, n, c8 + (int64_t)l * (S >> 4) * H * D,
+                                            cscale + (int64_t)l * (S >> 4) * H, H, G, D, simd, pages)) < 0) {
+        free(a);
+        free(cpos);
+        free(Q);
+        return -1;
+    }
     const int8_t *q8l = q8 + (int64_t)l * S * H * D;
     const float *ksl = kscale + (int64_t)l * S * H;
 #pragma omp parallel num_threads(threads) reduction(| : rc)
@@ -809,14 +867,14 @@ static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int
         int c0 = 16 * (int)((int64_t)blocks * id / nt), c1 = 16 * (int)((int64_t)blocks * (id + 1) / nt);
         approx_logits(Q, srow, cpos, n, c0, c1 < n ? c1 : n, q8l, ksl, H, G, D, simd, a);
         head_scratch w;
-        int bad = scratch_alloc(&w, P, G, m, held != NULL);
+        int bad = scratch_alloc(&w, P, G, m);
 #pragma omp barrier
         if (bad)
             rc |= 1;
         else
             for (int h = id; h < H; h += nt)
                 select_task_head(l, r, h, R, H, G, D, P, S, n, cpos, a, Q, srow, keys, key_bf16, k, m, scale, simd,
-                                 out_pos, out_slots, held, held_n, held_k, &w);
+                                 out_pos, out_slots, &w);
         scratch_free(&w);
     }
     free(a);
@@ -833,15 +891,14 @@ static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int
 int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S, const float *q,
                             const int64_t *slots, const uint8_t *ok, const int8_t *q8, const float *kscale,
                             const void *keys, int key_bf16, int k, int m, float scale, int64_t *out_pos,
-                            int64_t *out_slots, const int64_t *held, const int64_t *held_n, int held_k,
-                            int threads) {
+                            int64_t *out_slots, const int8_t *c8, const float *cscale, int pages, int threads) {
     int tasks = L * R, rc = 0;
     if (threads < 1) threads = 1;
     if (L < 1 || H * G > MAXG || D > MAXD || k > m || k < 1) return -1;
     if (tasks < threads) {
         for (int t = 0; t < tasks; t++)
             rc |= select_task_wide(t, L, R, H, G, D, P, S, q, slots, ok, q8, kscale, keys, key_bf16, k, m, scale,
-                                   out_pos, out_slots, held, held_n, held_k, threads);
+                                   out_pos, out_slots, c8, cscale, pages, threads);
         return rc ? -1 : 0;
     }
 #pragma omp parallel num_threads(threads) reduction(| : rc)
@@ -850,7 +907,7 @@ int dd_spec_host_select_par(int L, int R, int H, int G, int D, int P, int64_t S,
         int t0 = (int)((int64_t)tasks * id / nt), t1 = (int)((int64_t)tasks * (id + 1) / nt);
         if (t1 > t0)
             rc |= dd_spec_host_select(L, R, H, G, D, P, S, q, slots, ok, q8, kscale, keys, key_bf16, k, m, scale,
-                                      out_pos, out_slots, held, held_n, held_k, t0, t1);
+                                      out_pos, out_slots, c8, cscale, pages, t0, t1);
     }
     return rc ? -1 : 0;
 }

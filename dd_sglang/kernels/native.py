@@ -69,6 +69,7 @@ def spec_host_select(
     m: int,
     scale: float,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pages: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``spec_host``'s selection of ``L`` layers (module docstring; arithmetic in ``cpu_select.c``).
 
@@ -82,6 +83,11 @@ def spec_host_select(
         scale: softmax scale.
         out: where to write ``(positions, slots)`` (contiguous ``[L, rows, Hkv, k]`` int64, e.g. views
             of the next step's sets), instead of new tensors.
+        pages: the two-level selection's first level, ``(c8, cscale, n)``: the ``L`` layers' 16-slot
+            block means ``[L, S / 16, Hkv, D]`` int8 and ``[L, S / 16, Hkv]`` float32
+            (:attr:`~dd_sglang.prefetch.index.QuantKeyIndex.block_means`) and the blocks kept per KV
+            head ``n >= 1``: each row's candidates are first cut to its KV heads' ``n`` best blocks (the
+            union), then selected as without it. None: every candidate (the full scan).
 
     Returns:
         ``(positions, slots)``, each ``[L, rows, Hkv, k]`` int64, best first (``out`` when given).
@@ -101,10 +107,10 @@ def spec_host_select(
     ok = ok.to(torch.uint8).contiguous()
     pos_out, slot_out = _select_outputs(out, (n_layers, rows, hkv, k))
     s = keys.shape[1]
+    c8, cscale, n_pages = _check_pages(pages, q8, kscale)
     args = (n_layers, rows, hkv, g, d, slots.shape[1], s, _ptr(q), _ptr(slots), _ptr(ok), _ptr(q8),
             _ptr(kscale), _ptr(keys), int(keys.dtype == torch.bfloat16), k, m, float(scale),
-            _ptr(pos_out), _ptr(slot_out), None, None, 0)  # fmt: skip
-    # (the kernel's held positions, NULL: no caller skips positions any more)
+            _ptr(pos_out), _ptr(slot_out), c8, cscale, n_pages)  # fmt: skip
     rc = lib.dd_spec_host_select_par(*args, torch.get_num_threads())  # fewer tasks than threads: each on all
     if rc != 0:
         raise ValueError(f"the CPU selection kernel refused group {g}, head_dim {d}, k {k}, m {m}")
@@ -127,6 +133,29 @@ def _check_select_inputs(q: torch.Tensor, keys: torch.Tensor, q8: torch.Tensor, 
     for name, t in (("keys", keys), ("q8", q8), ("kscale", kscale)):
         if not t[0].is_contiguous() or (n_layers > 1 and t.stride(0) != t[0].numel()):
             raise ValueError(f"{name} must be contiguous")
+
+
+def _check_pages(pages: tuple[torch.Tensor, torch.Tensor, int] | None, q8: torch.Tensor,
+                 kscale: torch.Tensor) -> tuple[int | None, int | None, int]:  # fmt: skip
+    """The first level's kernel arguments (addresses of the block means and scales, blocks kept):
+    ``(None, None, 0)`` for no first level. ValueError when the block means do not match the index
+    (``[L, S / 16, Hkv, D]`` int8 and ``[L, S / 16, Hkv]`` float32, contiguous per layer) or ``n < 1``."""
+    if pages is None:
+        return None, None, 0
+    c8, cs, n = pages
+    n_layers, s, hkv, d = q8.shape
+    if n < 1:
+        raise ValueError(f"pages: blocks kept per KV head must be >= 1, got {n}")
+    if c8.dtype != torch.int8 or tuple(c8.shape) != (n_layers, s // 16, hkv, d) or s % 16:
+        raise ValueError(f"pages: block means must be int8 {(n_layers, s // 16, hkv, d)}, got {c8.dtype} "
+                         f"{tuple(c8.shape)}")  # fmt: skip
+    if cs.dtype != torch.float32 or tuple(cs.shape) != (n_layers, s // 16, hkv):
+        raise ValueError(f"pages: block scales must be float32 {(n_layers, s // 16, hkv)}, got {cs.dtype} "
+                         f"{tuple(cs.shape)}")  # fmt: skip
+    for name, t in (("block means", c8), ("block scales", cs)):
+        if not t[0].is_contiguous() or (n_layers > 1 and t.stride(0) != t[0].numel()):
+            raise ValueError(f"pages: {name} must be contiguous")
+    return _ptr(c8), _ptr(cs), int(n)
 
 
 def _select_outputs(out: tuple[torch.Tensor, torch.Tensor] | None,

@@ -25,6 +25,15 @@ state; on the device (``quest_device``) it is auxiliary device state.
 Bytes: ``2 x num_layers x (host_slots / 16) x num_kv_heads x head_dim x
 itemsize`` = 1/16 of the host tier's bytes.
 
+**Block means** (two-level selection, ``experimental.first_level_tokens``). With ``block_means``,
+:class:`QuantKeyIndex` also keeps, per layer, 16-slot block and KV head, the mean of the block's
+keys quantised like a key (int8, one absmax scale): ``num_layers x (host_slots / 16) x
+num_kv_heads x (head_dim + 4)`` bytes, 1/16 of the index. The C kernel ranks a row's blocks by
+them before it scores tokens (:func:`dd_sglang.kernels.native.spec_host_select`, ``pages``). An
+exact alternative was measured first and rejected: Quest's min/max bound (above) orders blocks
+with a guarantee, but on SmolLM2's keys at 8k tokens a scan in bound order must read 99.8% of the
+16-token blocks before the next bound falls below the 256th score (``bench.select_recall``).
+
 The step's candidates and the batched scoring that reads these indexes (and the tier's keys in
 place) are in :mod:`dd_sglang.prefetch.scoring`.
 """
@@ -94,19 +103,40 @@ class KeyBlockIndex:
                 tier's page layout guarantees they are).
         """
         b = BLOCK_TOKENS
-        first = start // b
-        pos = torch.arange(first * b, -(-end // b) * b).clamp_(max=end - 1)
-        slots = host_slots[pos].view(-1, b)
-        base = host_slots[pos[::b]]
-        full = pos.view(-1, b)[:, -1] < end - 1  # blocks without a clamped (repeated) position
-        expect = base.unsqueeze(1) + torch.arange(b)
-        if base.remainder(b).any() or not torch.equal(slots[full], expect[full]):
-            raise ValueError("host slots are not contiguous 16-aligned blocks; the block index needs them")
+        slots, _, blocks = block_slots(host_slots, start, end)
         keys = self.host_k[:, slots.flatten()]  # [L, n, Hkv, D]
         keys = keys.view(keys.shape[0], -1, b, *keys.shape[2:])
-        blocks = (base // b).to(self.device)
+        blocks = blocks.to(self.device)
         self.mins[:, blocks] = keys.amin(dim=2).to(self.device)
         self.maxs[:, blocks] = keys.amax(dim=2).to(self.device)
+
+
+def block_slots(host_slots: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 16-slot blocks holding positions ``[start, end)`` of one request.
+
+    Args:
+        host_slots: ``[>= end]`` int64, the request's host slot per position.
+        start, end: positions, ``0 <= start < end``.
+
+    Returns:
+        ``(slots, valid, blocks)``: ``[n, 16]`` int64 host slots of each block's positions (past
+        ``end - 1`` repeated as ``end - 1``'s slot), ``[n, 16]`` bool whether each is below ``end``,
+        and ``[n]`` int64 block numbers (``slot // 16``).
+
+    Raises:
+        ValueError: the positions' slots are not whole contiguous aligned blocks (the host tier's
+            page layout guarantees they are).
+    """
+    b = BLOCK_TOKENS
+    pos = torch.arange(start // b * b, -(-end // b) * b)
+    valid = (pos < end).view(-1, b)
+    slots = host_slots[pos.clamp_(max=end - 1)].view(-1, b)
+    base = slots[:, 0]
+    full = valid[:, -1]
+    expect = base.unsqueeze(1) + torch.arange(b)
+    if base.remainder(b).any() or not torch.equal(slots[full], expect[full]):
+        raise ValueError("host slots are not contiguous 16-aligned blocks; the block index needs them")
+    return slots, valid, base // b
 
 
 #: :meth:`QuantKeyIndex.update`: largest float32 temporary of one chunk of positions (bytes).
@@ -124,9 +154,14 @@ class QuantKeyIndex:
         device: where the copy lives (``"cpu"``: host memory).
         native: quantise with the C kernel (:func:`dd_sglang.kernels.native.quantize_keys`, the
             same bytes in one pass) where the keys and the copy are contiguous in host memory.
+        block_means: also keep the 16-slot blocks' int8 mean keys (:attr:`block_means`).
+
+    Raises:
+        ValueError: ``block_means`` and ``host_slots`` is not a multiple of :data:`BLOCK_TOKENS`.
     """
 
-    def __init__(self, host_k: torch.Tensor, device: torch.device | str = "cpu", native: bool = False):
+    def __init__(self, host_k: torch.Tensor, device: torch.device | str = "cpu", native: bool = False,
+                 block_means: bool = False):  # fmt: skip
         n_layers, slots, hkv, d = host_k.shape
         self.host_k = host_k
         self.device = torch.device(device)
@@ -134,11 +169,21 @@ class QuantKeyIndex:
                        and host_k.is_contiguous())  # fmt: skip
         self.q8 = _zeros((n_layers, slots, hkv, d), torch.int8, self.device)
         self.scale = _zeros((n_layers, slots, hkv), torch.float32, self.device)
+        #: ``(means, scales)``: ``[L, S / 16, Hkv, D]`` int8 and ``[L, S / 16, Hkv]`` float32, the mean
+        #: key of every 16-slot block quantised like a key (module docstring); None without ``block_means``.
+        self.block_means: tuple[torch.Tensor, torch.Tensor] | None = None
+        if block_means:
+            if slots % BLOCK_TOKENS:
+                raise ValueError(f"host tier slots ({slots}) must be a multiple of {BLOCK_TOKENS}")
+            nb = slots // BLOCK_TOKENS
+            self.block_means = (_zeros((n_layers, nb, hkv, d), torch.int8, self.device),
+                                _zeros((n_layers, nb, hkv), torch.float32, self.device))  # fmt: skip
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the int8 keys and their scales (every layer)."""
-        return self.q8.nbytes + self.scale.nbytes
+        """Bytes of the int8 keys and their scales (every layer), and of the block means where kept."""
+        extra = sum(t.nbytes for t in self.block_means) if self.block_means else 0
+        return self.q8.nbytes + self.scale.nbytes + extra
 
     def update(self, host_slots: torch.Tensor, start: int, end: int) -> None:
         """Quantise positions ``[start, end)`` of one request, layer by layer.
@@ -147,6 +192,8 @@ class QuantKeyIndex:
             host_slots: ``[>= end]`` int64, the request's host slot per position.
             start, end: positions, ``0 <= start < end``.
         """
+        if self.block_means is not None:
+            self._update_means(host_slots, start, end)
         all_slots = host_slots[start:end].to(self.host_k.device)
         if self.native:
             native_kernel.quantize_keys(self.host_k, all_slots, self.q8, self.scale)
@@ -163,6 +210,25 @@ class QuantKeyIndex:
             s = keys.abs().amax(dim=-1).clamp_(min=1e-12).div_(127.0)
             self.q8[:, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
             self.scale[:, dst] = s.to(self.device)
+
+    def _update_means(self, host_slots: torch.Tensor, start: int, end: int) -> None:
+        """Recompute the block means of the blocks holding positions ``[start, end)`` (a block
+        partly written before is recomputed whole; a last partial block averages its positions
+        below ``end``), every layer, in chunks of blocks within :data:`UPDATE_CHUNK_BYTES`."""
+        slots, valid, blocks = block_slots(host_slots, start, end)
+        means, scales = self.block_means
+        n_layers, _, hkv, d = self.host_k.shape
+        b = BLOCK_TOKENS
+        step = max(1, UPDATE_CHUNK_BYTES // (n_layers * b * hkv * d * 4))
+        for i in range(0, blocks.numel(), step):
+            sl, w = slots[i : i + step], valid[i : i + step].to(torch.float32)
+            keys = self.host_k.index_select(1, sl.flatten().to(self.host_k.device)).float()
+            keys = keys.view(n_layers, -1, b, hkv, d).mul_(w.view(1, -1, b, 1, 1))
+            mean = keys.sum(dim=2).div_(w.sum(dim=1).view(1, -1, 1, 1))  # [L, n, Hkv, D]
+            s = mean.abs().amax(dim=-1).clamp_(min=1e-12).div_(127.0)
+            dst = blocks[i : i + step].to(self.device)
+            means[:, dst] = mean.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
+            scales[:, dst] = s.to(self.device)
 
     def candidate_logits(self, q: torch.Tensor, layers: slice, rows: RowBlocks, scale: float) -> torch.Tensor:
         """Approximate logits of every candidate token of every row, int8 x int8, ``L`` layers at once.

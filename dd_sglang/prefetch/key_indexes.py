@@ -20,12 +20,15 @@ class KeyIndexes:
         host_k: the host tier's keys, ``[layers, slots, Hkv, D]``.
         device: the device tier's device (where ``quest_device``'s index lives).
         native: whether the int8 host index is built and read by the C kernel.
+        block_means: whether the int8 host index also keeps its 16-slot blocks' mean keys (the
+            two-level selection's first level, ``experimental.first_level_tokens``).
     """
 
-    def __init__(self, host_k: torch.Tensor, device: torch.device, native: bool):
+    def __init__(self, host_k: torch.Tensor, device: torch.device, native: bool, block_means: bool = False):
         self.host_k = host_k
         self.device = device
         self.native = native
+        self.block_means = block_means
         self.by_location: dict[str, KeyBlockIndex | QuantKeyIndex] = {}
 
     def index(self, location: str) -> KeyBlockIndex | QuantKeyIndex:
@@ -33,7 +36,7 @@ class KeyIndexes:
         idx = self.by_location.get(location)
         if idx is None:
             if location == "host":
-                idx = QuantKeyIndex(self.host_k, "cpu", native=self.native)
+                idx = QuantKeyIndex(self.host_k, "cpu", native=self.native, block_means=self.block_means)
             else:
                 idx = KeyBlockIndex(self.host_k, self.device)
             self.by_location[location] = idx

@@ -33,6 +33,7 @@ class PrefetchParams:
     real_query: str = _EXPERIMENTAL.real_query
     kernel: str = _EXPERIMENTAL.kernel
     sampling: str = _EXPERIMENTAL.sampling
+    first_level_tokens: int | None = _EXPERIMENTAL.first_level_tokens
 
     @classmethod
     def from_config(cls, cfg: DDConfig) -> PrefetchParams:

@@ -112,7 +112,8 @@ class PlanInputs:
         with ``seed``."""
         return cls(
             req_to_token=req_to_token,
-            selectors={name: make_selector(name, params.rerank, native) for name in SELECTORS},
+            selectors={name: make_selector(name, params.rerank, native, params.first_level_tokens)
+                       for name in SELECTORS},  # fmt: skip
             speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
             store=PredictionStore(),
             make_index=make_index,

@@ -142,7 +142,7 @@ class SparseStepRunner:
                                     and (params.transfer == "in_place" or (params.transfer == "auto" and cpu)),
                                     always=params.transfer == "in_place")  # fmt: skip
         self._log_choices(inline, native, params.transfer)
-        self.indexes = KeyIndexes(host.k, device, native)
+        self.indexes = KeyIndexes(host.k, device, native, block_means=params.first_level_tokens is not None)
         self.inputs = PlanInputs.from_params(params, req_to_token, self.indexes.index, native, seed)
         self.ahead = AheadSelection(host, self.schedule, self.inputs.store, self.indexes, self.tally, self.events,
                                     _split_threads(params, cpu), 1 if params.select == "split" else SPLIT_MIN_ROWS)  # fmt: skip

@@ -225,12 +225,21 @@ class SpecHostSelector(Selector):
     intermediate tensors; it chooses the same sets (``tests/test_native_select.py``). Shapes it
     does not take (``m`` at least the padded candidate count) use the PyTorch path.
 
+    With ``first_level_tokens`` the selection is two-level (C kernel only): each row's
+    candidates are first cut to the tokens of its KV heads' best ``first_level_tokens / 16``
+    16-token blocks, ranked by the index's block means
+    (:attr:`~dd_sglang.prefetch.index.QuantKeyIndex.block_means`), then selected as above; a call
+    whose ``rerank x k`` exceeds the budget less 32 tokens scans every candidate.
+
     Args:
         rerank: ``rerank x k`` tokens are re-ranked exactly (>= 1).
         native: use the C kernel (the caller checked :func:`dd_sglang.kernels.native.available`).
+        first_level_tokens: the first level's budget in tokens per KV head (``experimental.first_level_tokens``),
+            or None: every candidate.
 
     Raises:
-        ValueError: ``rerank < 1``.
+        ValueError: ``rerank < 1``; ``first_level_tokens`` below 64, or given without ``native``
+            (the PyTorch path has no first level).
     """
 
     name = "spec_host"
@@ -238,11 +247,24 @@ class SpecHostSelector(Selector):
     uses_speculator = True
     index_location = "host"
 
-    def __init__(self, rerank: float = 2.0, native: bool = False):
+    def __init__(self, rerank: float = 2.0, native: bool = False, first_level_tokens: int | None = None):
         if rerank < 1:
             raise ValueError(f"prefetch.rerank must be >= 1, got {rerank}")
+        if first_level_tokens is not None and (first_level_tokens < 64 or not native):
+            raise ValueError("experimental.first_level_tokens must be >= 64 and needs the CPU selection kernel "
+                             f"(experimental.kernel native or auto where it builds); got {first_level_tokens}, "
+                             f"kernel {'native' if native else 'torch'}")  # fmt: skip
         self.rerank = rerank
         self.native = native
+        self.first_level_tokens = first_level_tokens
+
+    def _pages(self, index, layers: slice, m: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The C kernel's first-level arguments for ``layers`` (None: the full scan)."""
+        budget = self.first_level_tokens
+        if budget is None or index.block_means is None or m > budget - 32:
+            return None
+        means, scales = index.block_means
+        return means[layers], scales[layers], budget // BLOCK_TOKENS
 
     def _m(self, k: int) -> int:
         return int(-(-self.rerank * k // 1))
@@ -255,7 +277,8 @@ class SpecHostSelector(Selector):
             raise ValueError(f"k must be >= 1, got {k}")
         slots, ok = rows.tokens
         return native_kernel.spec_host_select(q.float(), slots, ok, index.q8[layers], index.scale[layers],
-                                              host_k, k, self._m(k), scale, out)  # fmt: skip
+                                              host_k, k, self._m(k), scale, out,
+                                              self._pages(index, layers, self._m(k)))  # fmt: skip
 
     def score_layers(self, q, rows, host_k, k, scale, index, layers):
         slots, ok = rows.tokens
@@ -329,13 +352,16 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
-def make_selector(name: str, rerank: float = 2.0, native: bool = False) -> Selector:
-    """Instantiate a selector by name (``rerank`` and ``native`` apply to ``spec_host`` and ``host_sync``).
+def make_selector(name: str, rerank: float = 2.0, native: bool = False,
+                  first_level_tokens: int | None = None) -> Selector:  # fmt: skip
+    """Instantiate a selector by name (``rerank``, ``native`` and ``first_level_tokens`` apply to
+    ``spec_host`` and ``host_sync``: :class:`SpecHostSelector`).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
+        ValueError: unknown name (the message lists the known ones); a first level the selector
+            refuses (:class:`SpecHostSelector`).
     """
     cls = SELECTORS.get(name)
     if cls is None:
         raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
-    return cls(rerank, native) if issubclass(cls, SpecHostSelector) else cls()
+    return cls(rerank, native, first_level_tokens) if issubclass(cls, SpecHostSelector) else cls()
