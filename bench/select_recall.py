@@ -1,0 +1,203 @@
+"""Recall of the host selection against the exact top-k: the full scan and the two-level selection.
+
+Per decode step, layer and KV head of SmolLM2 over real text (teacher-forced, HF transformers on
+the CPU), the reference is the exact top-k of the real query computed here in plain PyTorch,
+float32, apart from the selector code: a token's score is the max over the KV head's query heads
+of its softmax probability over the candidates (every position but the 4 sinks and the last 128,
+which stay resident). Against it:
+
+* ``full_scan``: the C kernel's selection as the CPU preset runs it (``host_sync``: every
+  candidate scored with the int8 index, the best ``rerank x k`` re-ranked exactly);
+* ``two_level T``: the same kernel with a first level of ``T`` tokens per KV head
+  (``experimental.first_level_tokens``: each KV head's best ``T / 16`` blocks by their int8 mean
+  key, the union over KV heads, then as the full scan);
+* ``exact_bound_scan``: what an exact two-level would read: the fraction of 16-token blocks whose
+  Quest upper bound (element-wise min/max of the block's keys, with the exact normaliser) reaches
+  the ``rerank x k``-th best score, i.e. the blocks a scan in bound order must read before it can
+  stop with the exact top ``rerank x k``.
+
+``index_read``: the fraction of the full scan's index bytes a selection reads: the block means
+(1/16 of the index) and the index rows of the kept candidates, counted per row (the union over
+KV heads). Each recall has a 95% interval (normal approximation over the step x layer x head
+samples) and a per-layer breakdown.
+
+Run: ``python -m bench.select_recall --tokens 4000 7900 --out bench/results/select_recall_cpu.json``
+(about 2 min per length on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from bench.ceiling import QueryCapture, load_model
+from bench.texts import available_texts, text
+from dd_sglang.kernels import native
+from dd_sglang.prefetch.index import QuantKeyIndex
+from dd_sglang.prefetch.scoring import row_blocks
+
+N_SINK, N_RECENT, BLOCK = 4, 128, 16
+
+
+def _interval(xs: list[float]) -> dict:
+    t = torch.tensor(xs, dtype=torch.float64)
+    half = 1.96 * float(t.std()) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+    return {"mean": round(float(t.mean()), 4), "ci95": [round(float(t.mean()) - half, 4),
+                                                         round(float(t.mean()) + half, 4)], "n": len(xs)}  # fmt: skip
+
+
+def _exact_top(q: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [Hkv, G, D]``, ``keys [C, Hkv, D]`` float32: the exact top-k candidate indices ``[Hkv, k]``
+    and every candidate's score ``[Hkv, C]`` (max over the group of the log-probability)."""
+    a = torch.einsum("hgd,chd->hgc", q, keys) * q.shape[-1] ** -0.5
+    s = (a - a.logsumexp(-1, keepdim=True)).amax(1)
+    return s.topk(k, -1).indices, s
+
+
+def _bound_read(q: torch.Tensor, keys: torch.Tensor, score: torch.Tensor, m: int) -> float:
+    """Fraction of whole 16-token blocks whose Quest bound reaches the m-th best score."""
+    c, hkv, d = keys.shape
+    nb = c // BLOCK
+    kb = keys[: nb * BLOCK].view(nb, BLOCK, hkv, d)
+    lo, hi = kb.amin(1), kb.amax(1)  # [nb, Hkv, D]
+    a = torch.einsum("hgd,chd->hgc", q, keys) * d**-0.5
+    z = a.logsumexp(-1, keepdim=True)  # [Hkv, G, 1]
+    ub = torch.maximum(q[:, :, None] * lo.permute(1, 0, 2)[:, None], q[:, :, None] * hi.permute(1, 0, 2)[:, None])
+    bound = (ub.sum(-1) * d**-0.5 - z).amax(1)  # [Hkv, nb]
+    thr = score.topk(m, -1).values[:, -1:]
+    return float((bound >= thr).float().mean())
+
+
+def _kept(q8: torch.Tensor, idx: QuantKeyIndex, layer: int, n: int, pages: int, d: int) -> int:
+    """Candidates the first level keeps (the union over KV heads), recomputed in PyTorch for the bytes count."""
+    lo, hi = N_SINK, n - N_RECENT
+    blocks = torch.arange(lo // BLOCK, (hi - 1) // BLOCK + 1)
+    if blocks.numel() <= pages:
+        return hi - lo
+    means, scales = idx.block_means
+    m8, ms = means[layer, blocks].float(), scales[layer, blocks]  # [B, Hkv, D], [B, Hkv]
+    qq, qs = q8
+    a = torch.einsum("hgd,bhd->hgb", qq, m8) * ms.T[:, None, :] * qs * d**-0.5
+    bs = (a - a.logsumexp(-1, keepdim=True)).amax(1)
+    keep = torch.zeros(blocks.numel(), dtype=torch.bool)
+    for h in range(bs.shape[0]):
+        keep[torch.sort(-bs[h], stable=True).indices[:pages]] = True
+    pos = torch.arange(lo, hi)
+    return int(keep[pos // BLOCK - blocks[0]].sum())
+
+
+@torch.no_grad()
+def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, model, tok) -> dict:
+    """Recall per method at context ``n_tokens`` (module docstring)."""
+    from transformers import DynamicCache
+
+    ids = tok.encode(text(available_texts()[0]))
+    if len(ids) < n_tokens + steps:
+        raise ValueError(f"--tokens {n_tokens}: the text has only {len(ids)} tokens")
+    cap = QueryCapture(model)
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([ids[:n_tokens]]), past_key_values=cache, use_cache=True)
+    n_layers, hkv = len(model.model.layers), model.config.num_key_value_heads
+    d = model.config.hidden_size // model.config.num_attention_heads
+    m = int(math.ceil(rerank * k))
+    recall: dict[str, list[list[float]]] = {}
+    reads: dict[str, list[float]] = {}
+    seconds: dict[str, list[float]] = {}
+    bound_reads: list[float] = []
+    for step in range(steps):
+        pos = n_tokens + step
+        model(torch.tensor([[ids[pos]]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[pos]]))
+        n = pos + 1
+        total = -(-n // 64) * 64
+        host_k = torch.zeros(n_layers, total, hkv, d, dtype=torch.bfloat16)
+        for layer in range(n_layers):
+            host_k[layer, :n] = cache.layers[layer].keys[0, :, :n].permute(1, 0, 2)
+        slots = torch.arange(total)
+        idx = QuantKeyIndex(host_k, native=True, block_means=True)
+        idx.update(slots, 0, n)
+        rows = row_blocks([slots], [N_SINK], [n - N_RECENT], [torch.arange(N_SINK)])
+        q = torch.stack([cap.queries[layer] for layer in range(n_layers)]).view(n_layers, 1, -1, d)
+        methods = {"full_scan": None, **{f"two_level {b}": b // BLOCK for b in budgets}}
+        chosen = {}
+        for name, pages in methods.items():
+            arg = None if pages is None else (*idx.block_means, pages)
+            t0 = time.perf_counter()
+            chosen[name] = native.spec_host_select(q, *rows.tokens, idx.q8, idx.scale, host_k, k, m, d**-0.5,
+                                                   None, arg)[0]  # fmt: skip
+            seconds.setdefault(name, []).append(time.perf_counter() - t0)
+        lo, hi = N_SINK, n - N_RECENT
+        for layer in range(n_layers):
+            keys = host_k[layer, lo:hi].float()
+            qq = q[layer, 0].view(hkv, -1, d)
+            ref, score = _exact_top(qq, keys, k)
+            ref = ref + lo
+            bound_reads.append(_bound_read(qq, keys, score, m))
+            q8 = qq.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+            qint = ((qq / q8).round(), q8)
+            for name, pages in methods.items():
+                got = chosen[name][layer, 0]
+                per_layer = recall.setdefault(name, [[] for _ in range(n_layers)])[layer]
+                for h in range(hkv):
+                    per_layer.append(len(set(got[h].tolist()) & set(ref[h].tolist())) / k)
+                kept = hi - lo if pages is None else _kept(qint, idx, layer, n, pages, d)
+                reads.setdefault(name, []).append((0 if pages is None else 1 / BLOCK) + kept / (hi - lo))
+    cap.close()
+    out = {"tokens": n_tokens, "candidates": n_tokens - N_SINK - N_RECENT, "k": k, "rerank": rerank, "steps": steps,
+           "exact_bound_scan_blocks_read": round(sum(bound_reads) / len(bound_reads), 4), "methods": {}}  # fmt: skip
+    full = sum(sum(x) for x in recall["full_scan"]) / sum(len(x) for x in recall["full_scan"])
+    for name, per_layer in recall.items():
+        every = [v for x in per_layer for v in x]
+        out["methods"][name] = {
+            "recall_vs_exact": _interval(every),
+            "of_full_scan": round(sum(every) / len(every) / full, 4),
+            "worst_layer": min(range(n_layers), key=lambda i: sum(per_layer[i])),
+            "per_layer": [round(sum(x) / len(x), 4) for x in per_layer],
+            "index_read": round(sum(reads[name]) / len(reads[name]), 4),
+            "select_ms_all_layers": round(1000 * min(seconds[name]), 2),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4000, 7900])
+    ap.add_argument("--k", type=int, default=256)
+    ap.add_argument("--rerank", type=float, default=2.0)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from bench.client import check_ranges
+
+    check_ranges(ap, args, (("k", 1, 4096), ("steps", 1, 1000), ("rerank", 1.0, 64.0)))
+    if any(b < math.ceil(args.rerank * args.k) + 32 for b in args.budgets):
+        ap.error(f"--budgets: each must be at least rerank x k + 32 = {math.ceil(args.rerank * args.k) + 32}")
+    if not native.available():
+        ap.error(f"the C selection kernel is not built here: {native.unavailable_reason()}")
+    from transformers import AutoTokenizer
+
+    from dd_sglang.models.smollm2 import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
+    model = load_model()
+    t0 = time.time()
+    out = {"bench": "select_recall",
+           "runs": [run(n, args.k, args.rerank, args.budgets, args.steps, model, tok) for n in args.tokens]}  # fmt: skip
+    out["seconds"] = round(time.time() - t0, 1)
+    for r in out["runs"]:
+        print(r["tokens"], "exact bound scan reads", r["exact_bound_scan_blocks_read"], "of the blocks")
+        for name, v in r["methods"].items():
+            print(f"  {name:16s} recall {v['recall_vs_exact']['mean']:.4f} ({v['of_full_scan']:.4f} of full) "
+                  f"index read {v['index_read']:.3f}  {v['select_ms_all_layers']} ms")  # fmt: skip
+    if args.out:
+        from bench.client import write_result
+
+        write_result(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
