@@ -82,14 +82,24 @@ class QueryCapture:
             h.remove()
 
 
-def load_model(dtype: torch.dtype = torch.float32):
-    """The embedded model in HF transformers (converted dir of ``prepare_model()``), eval mode."""
-    from transformers import AutoModelForCausalLM
+def load_model(dtype: torch.dtype = torch.float32, yarn: float | None = None):
+    """The embedded model in HF transformers (converted dir of ``prepare_model()``), eval mode.
+
+    ``yarn``: extend its context by this factor with YaRN RoPE scaling (original 8,192 positions;
+    transformers' ``rope_type: yarn``), as SGLang's ``--json-model-override-args`` does for a server.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dd_sglang.models.smollm2 import prepare_model
 
-    model = AutoModelForCausalLM.from_pretrained(prepare_model(progress=False), dtype=dtype,
-                                                 attn_implementation="sdpa")  # fmt: skip
+    path = prepare_model(progress=False)
+    config = AutoConfig.from_pretrained(path)
+    if yarn is not None:
+        original = config.max_position_embeddings
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": float(yarn),
+                                  "original_max_position_embeddings": original}  # fmt: skip
+        config.max_position_embeddings = int(original * yarn)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 

@@ -22,7 +22,11 @@ KV heads). Each recall has a 95% interval (normal approximation over the step x 
 samples) and a per-layer breakdown.
 
 Run: ``python -m bench.select_recall --tokens 4000 7900 --out bench/results/select_recall_cpu.json``
-(about 2 min per length on a 2-core CPU).
+(about 2 min per length on a 2-core CPU). Past SmolLM2's 8,192 positions, with YaRN RoPE scaling
+(``--yarn 4``: 32k positions; the model's quality there is its own, the keys and queries are
+what a sparse step would select from): ``python -m bench.select_recall --yarn 4 --tokens 16000
+30000 --steps 4 --out bench/results/select_recall_yarn4_cpu.json`` (prefill in chunks of 2,048
+tokens; about 15 min).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from dd_sglang.prefetch.index import QuantKeyIndex
 from dd_sglang.prefetch.scoring import row_blocks
 
 N_SINK, N_RECENT, BLOCK = 4, 128, 16
+#: Prompt tokens per prefill forward (HF transformers, plain causal attention over the cache).
+PREFILL_CHUNK = 2048
 
 
 def _interval(xs: list[float]) -> dict:
@@ -99,7 +105,8 @@ def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, mo
         raise ValueError(f"--tokens {n_tokens}: the text has only {len(ids)} tokens")
     cap = QueryCapture(model)
     cache = DynamicCache(config=model.config)
-    model(torch.tensor([ids[:n_tokens]]), past_key_values=cache, use_cache=True)
+    for c0 in range(0, n_tokens, PREFILL_CHUNK):  # chunks bound the attention's memory at long contexts
+        model(torch.tensor([ids[c0 : min(n_tokens, c0 + PREFILL_CHUNK)]]), past_key_values=cache, use_cache=True)
     n_layers, hkv = len(model.model.layers), model.config.num_key_value_heads
     d = model.config.hidden_size // model.config.num_attention_heads
     m = int(math.ceil(rerank * k))
@@ -168,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerank", type=float, default=2.0)
     ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--yarn", type=float, default=None,
+                    help="YaRN RoPE factor for contexts past SmolLM2's 8,192 (e.g. 2 for 16k, 4 for 32k)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.client import check_ranges
@@ -182,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     from dd_sglang.models.smollm2 import prepare_model
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
-    model = load_model()
+    model = load_model(yarn=args.yarn)
     t0 = time.time()
-    out = {"bench": "select_recall",
+    out = {"bench": "select_recall", "yarn": args.yarn,
            "runs": [run(n, args.k, args.rerank, args.budgets, args.steps, model, tok) for n in args.tokens]}  # fmt: skip
     out["seconds"] = round(time.time() - t0, 1)
     for r in out["runs"]:
