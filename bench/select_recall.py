@@ -17,7 +17,8 @@ which stay resident). Against it:
   stop with the exact top ``rerank x k``.
 
 ``index_read``: the fraction of the full scan's index bytes a selection reads: the block means
-(1/16 of the index) and the index rows of the kept candidates, counted per row (the union over
+(1/16 of the index, read only when the row has more blocks than the budget) and the index rows
+of the kept candidates, counted per row (the union over
 KV heads). Each recall has a 95% interval (normal approximation over the step x layer x head
 samples) and a per-layer breakdown.
 
@@ -77,12 +78,14 @@ def _bound_read(q: torch.Tensor, keys: torch.Tensor, score: torch.Tensor, m: int
     return float((bound >= thr).float().mean())
 
 
-def _kept(q8: torch.Tensor, idx: QuantKeyIndex, layer: int, n: int, pages: int, d: int) -> int:
-    """Candidates the first level keeps (the union over KV heads), recomputed in PyTorch for the bytes count."""
+def _read(q8: tuple[torch.Tensor, torch.Tensor], idx: QuantKeyIndex, layer: int, n: int, pages: int, d: int) -> float:
+    """Index bytes the two-level selection reads, as a fraction of the full scan's: the block means
+    (1/16, where the row has more blocks than ``pages``; the kernel reads none otherwise) and the
+    candidates the first level keeps (the union over KV heads), recomputed in PyTorch."""
     lo, hi = N_SINK, n - N_RECENT
     blocks = torch.arange(lo // BLOCK, (hi - 1) // BLOCK + 1)
     if blocks.numel() <= pages:
-        return hi - lo
+        return 1.0
     means, scales = idx.block_means
     m8, ms = means[layer, blocks].float(), scales[layer, blocks]  # [B, Hkv, D], [B, Hkv]
     qq, qs = q8
@@ -92,7 +95,7 @@ def _kept(q8: torch.Tensor, idx: QuantKeyIndex, layer: int, n: int, pages: int, 
     for h in range(bs.shape[0]):
         keep[torch.sort(-bs[h], stable=True).indices[:pages]] = True
     pos = torch.arange(lo, hi)
-    return int(keep[pos // BLOCK - blocks[0]].sum())
+    return (blocks.numel() + int(keep[pos // BLOCK - blocks[0]].sum())) / (hi - lo)
 
 
 @torch.no_grad()
@@ -149,8 +152,7 @@ def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, mo
                 per_layer = recall.setdefault(name, [[] for _ in range(n_layers)])[layer]
                 for h in range(hkv):
                     per_layer.append(len(set(got[h].tolist()) & set(ref[h].tolist())) / k)
-                kept = hi - lo if pages is None else _kept(qint, idx, layer, n, pages, d)
-                reads.setdefault(name, []).append((0 if pages is None else 1 / BLOCK) + kept / (hi - lo))
+                reads.setdefault(name, []).append(1.0 if pages is None else _read(qint, idx, layer, n, pages, d))
     cap.close()
     out = {"tokens": n_tokens, "candidates": n_tokens - N_SINK - N_RECENT, "k": k, "rerank": rerank, "steps": steps,
            "exact_bound_scan_blocks_read": round(sum(bound_reads) / len(bound_reads), 4), "methods": {}}  # fmt: skip
