@@ -373,6 +373,38 @@ def recall_table(res: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def select_recall_table(res: dict) -> str:
+    """``bench.select_recall``: per context and selection, the recall of the exact top-k (95% CI), its
+    ratio to the full scan's, the worst layer's mean and the index bytes read; the exact bound scan's
+    blocks read per context."""
+    rows = ["| context | selection | recall of the exact top-k | 95% CI | of the full scan's | worst layer | "
+            "index read |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in res["runs"]:
+        for name, v in r["methods"].items():
+            rc = v["recall_vs_exact"]
+            rows.append(f"| {r['tokens']:,} | {name.replace('two_level', 'two-level,')} | {rc['mean']:.4f} | "
+                        f"[{rc['ci95'][0]:.4f}, {rc['ci95'][1]:.4f}] | {v['of_full_scan']:.3f} | "
+                        f"{min(v['per_layer']):.3f} | {v['index_read']:.2f} |")  # fmt: skip
+        rows.append(f"| {r['tokens']:,} | exact scan in Quest-bound order | - | - | - | - | "
+                    f"{r['exact_bound_scan_blocks_read']:.3f} of the blocks |")  # fmt: skip
+    yarn = f" YaRN factor {res['yarn']:g}." if res.get("yarn") else ""
+    return f"k {res['runs'][0]['k']}, rerank {res['runs'][0]['rerank']:g}.{yarn}\n\n" + "\n".join(rows) + "\n"
+
+
+def select_shapes_table(res: dict) -> str:
+    """``bench.select_shapes``: per model shape, context and selection, the selection's ms per step,
+    the index read, the candidates scored and the bandwidth floor."""
+    rows = ["| model shape | context | selection | select ms / step | index read | scored per row | floor ms |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in res["runs"]:
+        for name, v in r["methods"].items():
+            rows.append(f"| {r['shape']} | {r['tokens']:,} | {name.replace('two_level', 'two-level,')} | "
+                        f"{v['select_ms_per_step']} | {v['index_fraction']:.3f} | {v['candidates_scored_per_row']:,} | "
+                        f"{v['floor_ms_at_read_bandwidth']} |")  # fmt: skip
+    return (f"One request, {res['threads']} threads, read bandwidth {res['read_bandwidth_gbs']} GB/s, "
+            f"{res['layers_measured']} layers timed per shape:\n\n" + "\n".join(rows) + "\n")
+
+
 def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
     """The whole of ``docs/benchmarks.md`` from the JSON files directly under ``results`` (sorted
     by name); with ``plots``, also writes the quality plots there (:data:`PAGE_PLOTS`' names)."""
@@ -413,6 +445,10 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
             png = Path(name).with_suffix(".png").name
             if (results / png).exists():
                 out += [f"![RULER {r['task']}](../bench/results/{png})", ""]
+        elif name.startswith("select_recall"):
+            out.append(select_recall_table(r))
+        elif name.startswith("select_shapes"):
+            out.append(select_shapes_table(r))
         elif name.startswith("recall"):
             out += ["The speculated query's recall of the set each layer attended (host_sync's set for the real "
                     "query), per request:", "", recall_table(r)]  # fmt: skip

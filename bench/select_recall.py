@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         from bench.client import write_result
 
-        write_result(out, args.out)
+        write_result(out, args.out, dtype="float32")  # the model (HF, float32); the host tier holds bfloat16
     return 0
 
 
