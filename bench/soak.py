@@ -5,7 +5,8 @@ Usage::
     python -m bench.soak [--backend dense|dualdecoder] [--requests 2000] [--round 100]
                          [--clients 4] [--seconds 3600] [--max-total-tokens 6000]
                          [--chunked-prefill-size 256] [--host-tier-mb 300] [--new-tokens 16]
-                         [--words 500 900] [--warmup 500] [--seed 0] [--env NAME=VALUE ...]
+                         [--words 500 900 | --tokens 100 6000] [--warmup 500] [--seed 0]
+                         [--env NAME=VALUE ...]
                          [--probe] [--out bench/results/soak_BACKEND_HOSTCLASS.json] [--plot PATH.png]
 
 Starts one server (``python -m dd_sglang.launch_server`` on free loopback ports, a preset whose
@@ -15,7 +16,10 @@ is the same launcher without it), then sends ``--requests`` requests in rounds o
 from ``--clients`` concurrent clients (OpenAI ``/v1/completions``):
 
 * a prompt of a uniform ``--words`` (inclusive range) whitespace-split words of Debian's licence
-  texts (:func:`bench.texts.license_words`) from a random start;
+  texts (:func:`bench.texts.license_words`) from a random start; or, with ``--tokens MIN MAX``
+  (issue 52's mix), a uniform number of tokens in that range, cut from those texts tokenised once
+  with the embedded model's tokenizer and sent as token ids, so nearly every request is a prompt
+  length the server has not seen;
 * two in three answered whole with ``--new-tokens`` sampled tokens (temperature 0.8, top-p 0.95);
 * one in three streamed (same sampling) and dropped after 1-5 chunks (the client closes the
   connection; SGLang aborts the request).
@@ -132,11 +136,31 @@ def prompt_words(rng: random.Random, words: list[str], lo: int, hi: int) -> str:
     return " ".join(words[start : start + n])
 
 
-def one_request(url: str, prompt: str, streamed_chunks: int, new_tokens: int) -> str | None:
+def prompt_tokens(rng: random.Random, ids: list[int], lo: int, hi: int) -> list[int]:
+    """``rng.randint(lo, hi)`` consecutive token ids of ``ids`` from a random start."""
+    n = rng.randint(lo, hi)
+    start = rng.randrange(0, len(ids) - n)
+    return ids[start : start + n]
+
+
+def license_token_ids() -> list[int]:
+    """Debian's licence texts (:func:`bench.texts.license_words`, space-joined) as the embedded
+    model's token ids."""
+    from transformers import AutoTokenizer
+
+    from bench.texts import license_words
+    from dd_sglang.models.smollm2 import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
+    return tok.encode(" ".join(license_words()))
+
+
+def one_request(url: str, prompt: str | list[int], streamed_chunks: int, new_tokens: int) -> str | None:
     """Send one request of the mix; None when it went as planned, else what went wrong.
 
-    ``streamed_chunks``: 0 answers the request whole; 1-5 streams it and closes the connection
-    after that many data chunks (or at the stream's end, whichever comes first).
+    ``prompt``: text, or token ids (OpenAI's completions take either). ``streamed_chunks``: 0
+    answers the request whole; 1-5 streams it and closes the connection after that many data
+    chunks (or at the stream's end, whichever comes first).
     """
     body = {"model": "x", "prompt": prompt, "max_tokens": new_tokens, **SAMPLING}
     try:
@@ -270,6 +294,7 @@ def run(args) -> dict:
     from bench.texts import license_words
 
     words = license_words()
+    ids = license_token_ids() if args.tokens else None
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="dd_soak_"))
     env = dict(kv.split("=", 1) for kv in args.env)
@@ -302,7 +327,8 @@ def run(args) -> dict:
             for _ in range(n):
                 chunks = rng.randint(1, 5) if rng.random() < 1 / 3 else 0
                 kinds["streamed" if chunks else "answered"] += 1
-                plan.append((prompt_words(rng, words, *args.words), chunks))
+                prompt = prompt_tokens(rng, ids, *args.tokens) if ids else prompt_words(rng, words, *args.words)
+                plan.append((prompt, chunks))
             errors += send_round(srv.url, plan, args.clients, args.new_tokens)
             sent += n
             if srv.proc.poll() is not None:
@@ -321,7 +347,8 @@ def run(args) -> dict:
             "engine_start_seconds": round(srv.start_seconds, 1), "env": env,
             "settings": {"max_total_tokens": args.max_total_tokens, "chunked_prefill_size": args.chunked_prefill_size,
                          "host_tier_mib": args.host_tier_mb, "clients": args.clients, "round": args.round,
-                         "new_tokens": args.new_tokens, "words": list(args.words), "warmup": args.warmup,
+                         "new_tokens": args.new_tokens, "words": None if args.tokens else list(args.words),
+                         "tokens": list(args.tokens) if args.tokens else None, "warmup": args.warmup,
                          "seed": args.seed, "sampling": SAMPLING},
             "growth_mib_per_1000": grown,
             "rss_total_mib": {"first": round(sum(samples[0]["rss"].values()) / MiB, 1),
@@ -377,6 +404,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--new-tokens", type=int, default=16, help="max_tokens of every request")
     ap.add_argument("--words", type=int, nargs=2, default=(500, 900), metavar=("MIN", "MAX"),
                     help="prompt length range in words (inclusive)")  # fmt: skip
+    ap.add_argument("--tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                    help="prompt length in tokens, uniform in [MIN, MAX] (instead of --words)")
     ap.add_argument("--warmup", type=int, default=500, help="requests before the growth fit starts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -393,6 +422,11 @@ def parse_args(argv: list[str] | None):
     lo, hi = args.words
     if not 1 <= lo <= hi <= 5000:
         ap.error(f"--words must be MIN MAX with 1 <= MIN <= MAX <= 5000, got {lo} {hi}")
+    if args.tokens is not None:
+        lo, hi = args.tokens
+        if not 1 <= lo <= hi <= min(32768, args.max_total_tokens - args.new_tokens):
+            ap.error(f"--tokens must be MIN MAX with 1 <= MIN <= MAX <= min(32768, --max-total-tokens - "
+                     f"--new-tokens = {args.max_total_tokens - args.new_tokens}), got {lo} {hi}")
     for kv in args.env:
         name = kv.split("=", 1)[0]
         if "=" not in kv or not name or not name.replace("_", "").isalnum():

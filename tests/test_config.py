@@ -453,9 +453,9 @@ def test_the_preset_can_name_a_flag_the_sparse_path_cannot_serve(tmp_path):
     assert "--attention-backend dualdecoder does not support --enable-mixed-chunk" in r.stderr
 
 
-@pytest.mark.parametrize("switch", ["DD_SGLANG_CPU_PREPACK", "DD_SGLANG_HOST_HUGE_PAGES"])
+@pytest.mark.parametrize("switch", ["DD_SGLANG_CPU_PREPACK", "DD_SGLANG_CPU_ROW_BUCKETS", "DD_SGLANG_HOST_HUGE_PAGES"])
 def test_launcher_refuses_a_bad_on_off_switch(tmp_path, switch):
-    """DD_SGLANG_CPU_PREPACK and DD_SGLANG_HOST_HUGE_PAGES take 0 or 1; anything else stops before
+    """DD_SGLANG_CPU_PREPACK, DD_SGLANG_CPU_ROW_BUCKETS and DD_SGLANG_HOST_HUGE_PAGES take 0 or 1; anything else stops before
     SGLang starts (exit 2), naming the variable."""
     r = _refused_before_torch("--model-path", str(tmp_path), env={switch: "false"})
     assert f"{switch} must be 0 or 1, got 'false'" in r.stderr + r.stdout

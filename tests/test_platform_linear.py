@@ -129,3 +129,49 @@ def test_a_thread_count_not_probed_yet_is_probed_before_the_pack_is_used(monkeyp
         assert linear._probed[((48, 128), False, here + 1)] is False
         monkeypatch.setattr(linear.torch, "get_num_threads", lambda: here)
         assert torch.equal(linear.packed_linear(layer, x, None), F.linear(x, layer.weight))  # still packed here
+
+
+def test_row_buckets_are_eight_sizes_an_octave_with_at_most_an_eighth_padding():
+    """Hand-computed buckets: decode-sized products keep their rows; above 32 rows a product runs at
+    the next multiple of an eighth of its octave's lower bound; 33-4,096 rows take 56 sizes."""
+    assert [linear.bucket_rows(n) for n in (1, 32, 33, 36, 37, 64, 65, 100, 129, 257, 1000, 2049, 4096)] == [
+        1, 32, 36, 36, 40, 64, 72, 104, 144, 288, 1024, 2304, 4096]  # fmt: skip
+    sizes = {linear.bucket_rows(n) for n in range(33, 4097)}
+    assert len(sizes) == 56
+    assert all(n <= linear.bucket_rows(n) <= n * 9 / 8 for n in range(33, 20_000))
+
+
+@pytest.mark.parametrize("rows", [33, 100, 257, 1000])
+def test_a_bucketed_product_runs_padded_rows_and_returns_the_real_ones(rows):
+    """The product is called once on zero-padded rows of the bucket's size; the real rows come back
+    in ``x``'s leading shape, equal to F.linear's within bfloat16 rounding (oneDNN may block the padded
+    count differently), and the padding rows are zero in and out."""
+    layer = _Layer(96, 64)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=g).bfloat16()
+    seen = []
+
+    def run(xp):
+        seen.append(xp.clone())
+        return F.linear(xp, layer.weight)
+
+    with torch.inference_mode():
+        got = linear.bucketed_linear(layer, x, run)
+        ref = F.linear(x, layer.weight)
+    assert got.shape == (1, rows, 96)
+    assert len(seen) == 1 and seen[0].shape == (linear.bucket_rows(rows), 64)
+    assert torch.equal(seen[0][:rows], x[0]) and not seen[0][rows:].any()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_bucketing_leaves_other_products_alone(monkeypatch):
+    """Decode-sized rows, rows already a bucket, float32, and the switch off: None (the caller runs its
+    own product unpadded)."""
+    layer = _Layer(96, 64)
+    never = lambda xp: pytest.fail("run was called")  # noqa: E731
+    with torch.inference_mode():
+        assert linear.bucketed_linear(layer, torch.randn(32, 64).bfloat16(), never) is None
+        assert linear.bucketed_linear(layer, torch.randn(1024, 64).bfloat16(), never) is None
+        assert linear.bucketed_linear(_Layer(96, 64, torch.float32), torch.randn(100, 64), never) is None
+        monkeypatch.setattr(linear, "_BUCKETS", False)
+        assert linear.bucketed_linear(layer, torch.randn(100, 64).bfloat16(), never) is None

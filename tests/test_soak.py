@@ -42,6 +42,8 @@ def test_fit_slope():
     (["--words", "900", "500"], "--words must be MIN MAX"),
     (["--env", "NOVALUE"], "--env must be NAME=VALUE"),
     (["--backend", "sparse"], "--backend"),
+    (["--tokens", "6000", "100"], "--tokens must be MIN MAX"),
+    (["--tokens", "100", "6000"], "--max-total-tokens - --new-tokens = 5984"),
 ])  # fmt: skip
 def test_bad_flags_are_named(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -64,3 +66,17 @@ def test_prompt_words_stay_in_range():
     rng = random.Random(0)
     for _ in range(50):
         assert 500 <= len(soak.prompt_words(rng, words, 500, 900).split()) <= 900
+
+
+def test_prompt_tokens_are_uniform_lengths_of_consecutive_ids():
+    """Issue 52's mix: lengths uniform in the range (new lengths almost every request), ids cut in order."""
+    import random
+
+    ids = list(range(20_000))
+    rng = random.Random(0)
+    lens = []
+    for _ in range(200):
+        p = soak.prompt_tokens(rng, ids, 100, 6000)
+        assert 100 <= len(p) <= 6000 and p == list(range(p[0], p[0] + len(p)))
+        lens.append(len(p))
+    assert len(set(lens)) >= 190

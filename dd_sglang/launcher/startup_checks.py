@@ -210,9 +210,9 @@ def prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | Non
     _check_sglang_port(cfg, host, port)
     _metrics_socket(cfg).close()  # a taken metrics port too, before PyTorch; bound for good at the end
     from dd_sglang.kvcache.params import HUGE_PAGES_ENV
-    from dd_sglang.platform import PREPACK_ENV
+    from dd_sglang.platform import PREPACK_ENV, ROW_BUCKETS_ENV
 
-    for switch in (PREPACK_ENV, HUGE_PAGES_ENV):  # read again inside SGLang; refused here first
+    for switch in (PREPACK_ENV, ROW_BUCKETS_ENV, HUGE_PAGES_ENV):  # read again inside SGLang; refused here first
         if os.environ.get(switch, "1").strip() not in ("0", "1"):
             raise Refused(f"{switch} must be 0 or 1, got {os.environ[switch]!r}")
     # The dualdecoder refusals read flags the CPU platform never adds (--device, --dtype): they are

@@ -25,6 +25,9 @@ PLATFORM_CLASS = "dd_sglang.platform.cpu.TorchCpuPlatform"
 #: Environment switch: "0" keeps every linear layer on ``F.linear`` (:mod:`dd_sglang.platform.linear`).
 #: Here, not in ``linear``, so the launcher refuses a bad value without importing PyTorch.
 PREPACK_ENV = "DD_SGLANG_CPU_PREPACK"
+#: Environment switch: "0" runs prefill-sized bfloat16 products on their own row counts, unpadded
+#: (:func:`dd_sglang.platform.linear.bucketed_linear`).
+ROW_BUCKETS_ENV = "DD_SGLANG_CPU_ROW_BUCKETS"
 
 #: Entries of the two caches of oneDNN primitives a bfloat16 CPU matmul goes through, keyed by shape
 #: (row count, weight shape, threads): PyTorch's ideep cache (``LRU_CACHE_CAPACITY``) and oneDNN's own

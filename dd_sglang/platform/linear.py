@@ -33,6 +33,20 @@ layer's weight tensor is replaced (storage pointer or version changed).
 Cost: one more copy of every packed weight in host memory (the tied
 embedding keeps its plain copy for lookups). ``DD_SGLANG_CPU_PREPACK=0`` in the
 launcher's environment turns packing off.
+
+**Row buckets.** Products of more rows (prefill chunks) keep ``F.linear``, but
+:func:`bucketed_linear` pads their rows with zeros up to :func:`bucket_rows`
+(8 sizes per octave, at most 1/8 of the rows padding) and returns the real
+rows. oneDNN builds a primitive per row count and weight shape and caches it
+(:data:`dd_sglang.platform.ONEDNN_CACHE_CAPACITY` entries); real traffic brings
+a new prompt length, so a new last-chunk row count, with nearly every request,
+and each one built primitives that evicted others, whose freed memory the
+scheduler kept (``docs/operations-memory.md``: ~1.15 MiB a request). With
+buckets, a 4,096-row chunk size has 56 row counts above 32, 224 entries for
+SmolLM2's 4 weight shapes, built once. Padding changes no real row's meaning but
+may change its last bits where oneDNN blocks the product differently for the
+padded count (2 of 68 (shape, rows) pairs on the AMX host this was written on),
+as a different chunk size does. ``DD_SGLANG_CPU_ROW_BUCKETS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dd_sglang.platform import PREPACK_ENV
+from dd_sglang.platform import PREPACK_ENV, ROW_BUCKETS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +77,58 @@ _ATTR = "_dd_prepacked"
 _probed: dict[tuple, bool] = {}
 _generation = 0
 _logged = False
+
+
+#: Row buckets per octave (:func:`bucket_rows`).
+BUCKETS_PER_OCTAVE = 8
+_BUCKETS = os.environ.get(ROW_BUCKETS_ENV, "1").strip() != "0"
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a product of ``rows`` rows runs at: ``rows`` itself up to :data:`PACK_MAX_ROWS`
+    (decode steps), else ``rows`` rounded up to a multiple of 1/8 of its octave's lower bound
+    (:data:`BUCKETS_PER_OCTAVE` sizes per octave: 36, 40, ..., 64, 72, ..., 128, ..., 3840, 4096), so
+    at most 1/8 of the rows are padding."""
+    if rows <= PACK_MAX_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 1 - (BUCKETS_PER_OCTAVE.bit_length() - 1))  # octave lower bound / 8
+    return -(-rows // step) * step
+
+
+def bucketed_linear(layer: torch.nn.Module, x: torch.Tensor, run) -> torch.Tensor | None:
+    """``run`` (the layer's own product, ``[rows, in] -> [rows, out]``) on ``x``'s rows padded with zeros
+    to :func:`bucket_rows`, the real rows returned (module docstring), or None where this does not
+    apply: buckets off (:data:`dd_sglang.platform.ROW_BUCKETS_ENV` "0"), not a CPU bfloat16 input and
+    weight, at most :data:`PACK_MAX_ROWS` rows, or rows already a bucket.
+
+    Args:
+        layer: a module with a ``weight`` ``[out, in]`` tensor.
+        x: ``[..., in]`` activations.
+        run: the product, called once on a ``[bucket_rows(rows), in]`` tensor.
+
+    Returns:
+        ``[..., out]``: ``run``'s first ``rows`` rows.
+    """
+    w = getattr(layer, "weight", None)
+    if (
+        not _BUCKETS
+        or not isinstance(w, torch.Tensor)
+        or w.dtype != torch.bfloat16
+        or x.dtype != torch.bfloat16
+        or w.device.type != "cpu"
+        or x.device.type != "cpu"
+    ):
+        return None
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    padded = bucket_rows(rows)
+    if padded == rows:
+        return None
+    xp = x.new_empty(padded, width)
+    xp[:rows] = x.reshape(rows, width)
+    xp[rows:].zero_()
+    out = run(xp)[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def invalidate_packs() -> None:
