@@ -34,6 +34,36 @@ SelectorName = Literal["spec_host", "spec_host_exact", "oracle", "quest_device",
 PathPolicy = Literal["always", "pressure"]
 
 
+def choices(section: type[BaseModel], key: str) -> tuple:
+    """The values a ``Literal`` key of ``section`` allows, in the schema's order (the one place they are
+    declared: other modules read them from here).
+
+    Raises:
+        TypeError: the key is not a ``Literal``.
+    """
+    from typing import get_args, get_origin
+
+    ann = section.model_fields[key].annotation
+    if get_origin(ann) is not Literal:
+        raise TypeError(f"{section.__name__}.{key} is not a Literal")
+    return get_args(ann)
+
+
+def bounds(section: type[BaseModel], key: str) -> tuple[float, float]:
+    """``(ge, le)`` of a numeric key of ``section``, as the schema declares them.
+
+    Raises:
+        ValueError: the key declares no ``ge`` or no ``le``.
+    """
+    lo = hi = None
+    for m in section.model_fields[key].metadata:
+        lo = getattr(m, "ge", lo) if getattr(m, "ge", None) is not None else lo
+        hi = getattr(m, "le", hi) if getattr(m, "le", None) is not None else hi
+    if lo is None or hi is None:
+        raise ValueError(f"{section.__name__}.{key} declares no ge/le range")
+    return lo, hi
+
+
 class ConfigError(ValueError):
     """A preset could not be read or failed validation. The message names the key."""
 
@@ -106,8 +136,8 @@ class MetricsSection(_Strict):
 
 
 class SparseSection(_Strict):
-    """The sparse decode path (``--attention-backend dualdecoder``, which also selects
-    ``--radix-cache-backend dualdecoder``).
+    """The sparse decode path (``enabled``, or ``--attention-backend dualdecoder`` on the command line,
+    which also selects ``--radix-cache-backend dualdecoder``).
 
     A request whose context reaches ``min_sparse_len`` tokens (under ``policy: pressure``: and whose device
     KV is needed for other work) is prefilled densely, its KV copied to
@@ -116,6 +146,12 @@ class SparseSection(_Strict):
     set plus ``top_k`` host-tier tokens chosen by ``selector``. Token counts unless a key says bytes.
     """
 
+    enabled: bool = Field(
+        False,
+        description="Serve with the sparse path: the launcher gives SGLang ``--attention-backend dualdecoder`` "
+        "(and what it needs with it). ``false``: SGLang's own attention, unless the command line names "
+        "``--attention-backend dualdecoder``; a command line ``--attention-backend`` wins either way.",
+    )
     min_sparse_len: int = Field(1024, ge=1, le=10_000_000,
                                 description="Context length in tokens from which a request decodes sparsely; "
                                 "shorter ones decode densely, exactly.")  # fmt: skip

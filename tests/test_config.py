@@ -75,7 +75,7 @@ def test_bad_values_name_the_key_and_range(data, needles):
 
 
 #: Most preset keys an operator meets: every leaf key outside the ``experimental`` section.
-SHIPPED_KEYS_MAX = 26
+SHIPPED_KEYS_MAX = 27
 
 
 def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -94,7 +94,7 @@ def test_the_shipped_schema_stays_small():
     under ``experimental`` only, and no measured loser is back among the shipped keys."""
     shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
-    assert len(shipped) == 26  # name, model.path, server 8, metrics 3, sparse 10, prefetch 3
+    assert len(shipped) == 27  # name, model.path, server 8, metrics 3, sparse 11, prefetch 3
     moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "branches", "confident",
              "real_query", "sampling", "n_keep", "first_level_tokens"}  # fmt: skip
     assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
@@ -255,7 +255,8 @@ def test_launcher_rejects_bad_sglang_port(port, tmp_path):
     "key,flag,owner",
     [("port", "--port", "server.port"), ("por", "--port", "server.port"), ("hos", "--host", "server.host"),
      ("model", "--model-path", "model.path"), ("model_path", "--model-path", "model.path"),
-     ("max_total_tokens", "--max-total-tokens", "server.max_total_tokens")],
+     ("max_total_tokens", "--max-total-tokens", "server.max_total_tokens"),
+     ("attention-backend", "--attention-backend", "sparse.enabled")],
 )  # fmt: skip
 def test_sglang_args_may_not_name_a_flag_the_preset_owns(tmp_path, key, flag, owner):
     """``server.sglang_args`` cannot spell, in any way SGLang's parser takes (a prefix, the ``--model``
@@ -439,6 +440,32 @@ def test_dualdecoder_backend_brings_its_radix_cache_and_scheduler_flags():
     assert "--radix-cache-backend" not in build_sglang_argv(DDConfig(), [], "/m", cpu=True)
 
 
+def test_the_sparse_path_is_a_preset_key_and_the_flag_still_wins():
+    """``sparse.enabled: true`` gives SGLang ``--attention-backend dualdecoder`` and the flags it brings;
+    a command-line ``--attention-backend`` wins over the key either way; false adds nothing."""
+    on = DDConfig.model_validate({"sparse": {"enabled": True}})
+    argv = build_sglang_argv(on, [], "/m", cpu=True)
+    assert flag_value(argv, "--attention-backend") == "dualdecoder"
+    assert flag_value(argv, "--radix-cache-backend") == "dualdecoder" and "--disable-overlap-schedule" in argv
+    dense = build_sglang_argv(on, ["--attention-backend", "torch_native"], "/m", cpu=True)
+    assert flag_value(dense, "--attention-backend") == "torch_native" and "--radix-cache-backend" not in dense
+    assert "--attention-backend" not in build_sglang_argv(DDConfig(), [], "/m", cpu=True)
+
+
+def test_value_lists_and_ranges_come_from_the_schema():
+    """The runtime's lists of allowed values are the schema's own declarations, not copies."""
+    from typing import get_args
+
+    from dd_sglang.config import ExperimentalSection, PathPolicy, SparseSection
+    from dd_sglang.kvcache.dualpath import PATH_POLICIES
+    from dd_sglang.kvcache.params import MISS_POLICIES, TOP_K_RANGE
+
+    assert PATH_POLICIES == get_args(PathPolicy) == ("always", "pressure")
+    assert MISS_POLICIES == get_args(ExperimentalSection.model_fields["miss_policy"].annotation)
+    top_k = {type(m).__name__: m for m in SparseSection.model_fields["top_k"].metadata}
+    assert TOP_K_RANGE == (top_k["Ge"].ge, top_k["Le"].le) == (1, 1_000_000)
+
+
 @pytest.mark.parametrize("flag", ["--enable-mixed-chunk", "--enable-hierarchical-cache"])
 def test_launcher_refuses_flags_the_sparse_path_cannot_serve(flag, tmp_path):
     r = _refused_before_torch("--attention-backend", "dualdecoder", flag, "--model-path", str(tmp_path))
@@ -448,7 +475,7 @@ def test_launcher_refuses_flags_the_sparse_path_cannot_serve(flag, tmp_path):
 def test_the_preset_can_name_a_flag_the_sparse_path_cannot_serve(tmp_path):
     """The refusal reads the preset's ``server.sglang_args`` too (they reach SGLang's command line)."""
     p = tmp_path / "p.yaml"
-    p.write_text("server:\n  sglang_args:\n    attention-backend: dualdecoder\n    enable-mixed-chunk: true\n")
+    p.write_text("sparse:\n  enabled: true\nserver:\n  sglang_args:\n    enable-mixed-chunk: true\n")
     r = _refused_before_torch("--dd-config", str(p), "--model-path", str(tmp_path))
     assert "--attention-backend dualdecoder does not support --enable-mixed-chunk" in r.stderr
 

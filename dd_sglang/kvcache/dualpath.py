@@ -45,6 +45,9 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from typing import get_args
+
+from dd_sglang.config import PathPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,9 @@ TRANSITIONS: dict[PathState, frozenset[PathState]] = {
 }
 
 
-#: Path policies: when a request at or past ``min_sparse_len`` leaves the dense path (module docstring).
-PATH_POLICIES = ("always", "pressure")
+#: Path policies: when a request at or past ``min_sparse_len`` leaves the dense path (module docstring);
+#: the values of the schema's ``sparse.policy`` (:data:`dd_sglang.config.PathPolicy`, declared there once).
+PATH_POLICIES = get_args(PathPolicy)
 #: Why a request changed path (module docstring): its length (``always``), the device's need for
 #: its KV (``pressure``), or the request itself (a new turn rebuilds its full KV).
 PATH_CHANGE_REASONS = ("length", "pressure", "request")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 
 import psutil
 
-from dd_sglang.config import DDConfig
+from dd_sglang.config import DDConfig, ExperimentalSection, SparseSection, bounds, choices
 from dd_sglang.kvcache.dualpath import PATH_POLICIES
 
 #: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
@@ -102,10 +102,12 @@ OVERRIDE_SPECULATOR = "dd_speculator"
 OVERRIDE_MISS_POLICY = "dd_miss_policy"
 OVERRIDE_SPARSE = "dd_sparse"
 OVERRIDE_POLICY = "dd_policy"
-MISS_POLICIES = ("verify", "use_prefetched")
+#: The schema's values of ``experimental.miss_policy`` (declared once, in :mod:`dd_sglang.config`).
+MISS_POLICIES = choices(ExperimentalSection, "miss_policy")
 #: Overrides a request may give only where the preset sets ``experimental.request_overrides: true``.
 EXPERIMENT_OVERRIDES = (OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY)
-TOP_K_RANGE = (1, 1_000_000)
+#: The schema's range of ``sparse.top_k``, which a request's ``dd_top_k`` shares.
+TOP_K_RANGE = bounds(SparseSection, "top_k")
 
 
 def request_overrides(

@@ -57,17 +57,32 @@ def names_flag(flag: str, arg: str) -> bool:
     return any(f == name or f.startswith(name) for f in (flag, *FLAG_ALIASES.get(flag, ())))
 
 
-#: SGLang flags that preset keys of their own set (or the launcher derives from them): ``server.sglang_args``
+#: The one table of preset keys and the SGLang flags they set, in command-line order: ``(key, flag,
+#: value)``, ``value`` mapping the key's value to the flag's (None: the flag is not given).
+#: :func:`build_sglang_argv` passes each (unless the command line gives the flag) and
+#: ``server.sglang_args`` may not name one (:data:`PRESET_OWNED_FLAGS`). ``model.path`` is passed as
+#: the launcher resolves it (the embedded model when null).
+PRESET_KEY_FLAGS: tuple[tuple[str, str, object], ...] = (
+    ("model.path", "--model-path", None),
+    ("server.host", "--host", None),
+    ("server.port", "--port", None),
+    ("server.max_total_tokens", "--max-total-tokens", None),
+    ("server.context_length", "--context-length", None),
+    ("server.max_running_requests", "--max-running-requests", None),
+    ("sparse.enabled", "--attention-backend", lambda on: "dualdecoder" if on else None),
+)
+#: SGLang flags that preset keys of their own set (:data:`PRESET_KEY_FLAGS`): ``server.sglang_args``
 #: may not name one, by any spelling SGLang's parser takes (a prefix, an alias), or SGLang would get
 #: a second value, and take the last, that the launcher's checks never saw.
-PRESET_OWNED_FLAGS = {
-    "--host": "server.host",
-    "--port": "server.port",
-    "--max-total-tokens": "server.max_total_tokens",
-    "--context-length": "server.context_length",
-    "--max-running-requests": "server.max_running_requests",
-    "--model-path": "model.path",
-}
+PRESET_OWNED_FLAGS = {flag: key for key, flag, _ in PRESET_KEY_FLAGS}
+
+
+def preset_key_value(cfg: DDConfig, key: str) -> object:
+    """The value of a dotted preset key (``"server.port"``) in ``cfg``."""
+    value: object = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def preset_words(cfg: DDConfig) -> list[str]:
@@ -102,22 +117,16 @@ def build_sglang_argv(
     SGLang 0.5.23 resolves a missing ``--device`` through a path that expects a
     string from the platform (``srt/utils/common.py: get_device``).
 
-    ``--attention-backend dualdecoder`` (from the user or the preset) also adds
+    ``--attention-backend dualdecoder`` (from the user or ``sparse.enabled``) also adds
     ``--radix-cache-backend dualdecoder``, ``--disable-overlap-schedule`` and, on
     CUDA, ``--disable-cuda-graph``, unless given.
     """
-    s = cfg.server
-    defaults: list[tuple[str, object]] = [
-        ("--model-path", model_path),
-        ("--served-model-name", served_name),
-        ("--device", "cpu" if cpu else None),
-        ("--host", s.host),
-        ("--port", s.port),
-        ("--max-total-tokens", s.max_total_tokens),
-        ("--context-length", s.context_length),
-        ("--max-running-requests", s.max_running_requests),
-    ]
-    defaults += [(f"--{k}", v) for k, v in s.sglang_args.items()]
+    defaults: list[tuple[str, object]] = []
+    for key, flag, to_flag in PRESET_KEY_FLAGS:
+        value = model_path if key == "model.path" else preset_key_value(cfg, key)
+        defaults.append((flag, to_flag(value) if to_flag else value))
+    defaults[1:1] = [("--served-model-name", served_name), ("--device", "cpu" if cpu else None)]  # after the model
+    defaults += [(f"--{k}", v) for k, v in cfg.server.sglang_args.items()]
     out = list(user_argv)
     for flag, value in defaults:
         if value is None or value is False or has_flag(user_argv, flag):
