@@ -66,7 +66,7 @@ class _Int4KeyIndex(QuantKeyIndex):
 def _minmax_rerank(q, rows, host_k, k, scale, index, layer, rerank):
     """The best min/max blocks covering ``rerank x k`` tokens, re-ranked exactly: ``[R, Hkv, k]`` positions."""
     m = min(rows.blocks.shape[1], -(-(int(rerank * k) + rows.holes) // BLOCK_TOKENS))
-    chosen = block_scores(q, rows, index, layer, scale).topk(m, dim=-1).indices
+    chosen = block_scores(q, rows, index.mins[layer], index.maxs[layer], scale).topk(m, dim=-1).indices
     pos, slots, ok = block_tokens(rows, chosen)
     score = token_log_scores(q, host_k, slots, ok, scale)
     return pos.gather(-1, score.topk(k, dim=-1).indices)

@@ -12,13 +12,16 @@ they call lives in ``dd_sglang``.
 :func:`register_all` hands every hook to SGLang's ``HookRegistry``; SGLang's
 ``load_plugins()`` applies them in each process it starts (HTTP server,
 tokenizer manager, scheduler, detokenizer), through the general-plugin entry
-point :func:`dd_sglang.plugin.load`. ``tests/test_patches.py`` asserts every
-target exists in the pinned SGLang.
+point :func:`load` (``pyproject.toml``: ``sglang.srt.plugins``, ``dd_sglang = "patches:load"``),
+which SGLang calls in each of them. Nothing in ``dd_sglang`` imports this package: the wiring
+points at ``dd_sglang``, never back. Set ``SGLANG_PLUGINS`` to a list without ``dd_sglang`` to
+run SGLang without it. ``tests/test_patches.py`` asserts every target exists in the pinned SGLang.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +66,16 @@ def all_symbols() -> list[str]:
     for name in MODULES:
         symbols.extend(getattr(importlib.import_module(name), "SYMBOLS", ()))
     return symbols
+
+
+def load() -> None:
+    """SGLang's general-plugin entry point: register dd_sglang's hooks with SGLang's ``HookRegistry``
+    (:func:`register_all`), once per process (SGLang's ``load_plugins()`` then applies them)."""
+    if getattr(load, "_done", False):
+        return
+    hooks = register_all()
+    load._done = True
+    logging.getLogger(__name__).info("dd_sglang: registered %d SGLang hooks", len(hooks))
 
 
 def register_all() -> list[Hook]:

@@ -34,7 +34,7 @@ def test_entry_points_are_installed():
     platforms = {ep.name: ep.value for ep in entry_points(group="sglang.srt.platforms")}
     plugins = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert platforms.get("dd_sglang_cpu") == "dd_sglang.platform:activate"
-    assert plugins.get("dd_sglang") == "dd_sglang.plugin:load"
+    assert plugins.get("dd_sglang") == "patches:load"
 
 
 def test_sglang_resolves_our_platform_here():

@@ -44,13 +44,11 @@ tensors. Building a plan:
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from dd_sglang.prefetch.plan_inputs import PlanInputs
 from dd_sglang.prefetch.plan_rows import (
     PlanRow,
     classify,
@@ -62,8 +60,6 @@ from dd_sglang.prefetch.plan_rows import (
 )
 from dd_sglang.prefetch.predictions import NextSets, PredictionStore, RequestPrediction
 from dd_sglang.prefetch.scoring import RowBlocks, row_blocks
-from dd_sglang.prefetch.selectors import SELECTORS, Selector, make_selector
-from dd_sglang.prefetch.speculators import SPECULATORS, Speculator, make_speculator
 from dd_sglang.prefetch.step_plan import (
     CheckedRows,
     ColumnLayout,
@@ -76,53 +72,9 @@ from dd_sglang.prefetch.step_plan import (
     StepPlan,
 )
 
-if TYPE_CHECKING:
-    from dd_sglang.prefetch.params import PrefetchParams
-
 __all__ = ["CheckedRows", "ColumnLayout", "ExactRows", "FixedSets", "NextSets", "PlanInputs", "PredictionStore",
            "RequestPrediction", "RidingTokens", "RowRequests", "SelectionGroup", "Selections", "StepPlan",
            "build_step_plan"]
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """What :func:`build_step_plan` reads besides the forward batch (wired once by the backend).
-
-    ``selectors`` / ``speculators``: instances by name; ``indexes``: key index by location
-    (``"host"``, ``"device"``), created on first use by ``make_index(location)``.
-    """
-
-    req_to_token: torch.Tensor
-    selectors: dict[str, Selector]
-    speculators: dict[str, Speculator]
-    store: PredictionStore
-    make_index: object  # Callable[[str], KeyBlockIndex]
-    miss_policy: str
-    hit_rate_sample: float
-    rng: random.Random
-    real_query: str = "never"
-    sampling: str = "coupled"
-
-    @classmethod
-    def from_params(cls, params: PrefetchParams, req_to_token: torch.Tensor, make_index, native: bool,
-                    seed: int) -> PlanInputs:  # fmt: skip
-        """The runner's inputs: one selector per name of :data:`SELECTORS` (the C kernel where
-        ``native``), one speculator per name of :data:`SPECULATORS`, a fresh prediction store, the
-        preset's miss policy, sampling and hit-rate settings, and a hit-rate sampling RNG seeded
-        with ``seed``."""
-        return cls(
-            req_to_token=req_to_token,
-            selectors={name: make_selector(name, params.rerank, native, params.first_level_tokens)
-                       for name in SELECTORS},  # fmt: skip
-            speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
-            store=PredictionStore(),
-            make_index=make_index,
-            miss_policy=params.miss_policy,
-            hit_rate_sample=params.hit_rate_sample,
-            rng=random.Random(seed),
-            real_query=params.real_query,
-            sampling=params.sampling,
-        )
 
 
 def _fixed_sets(rows: list[PlanRow], nxt: NextSets, n_ahead: int, n_fixed: int, k: int, hkv: int, n_layers: int):

@@ -18,7 +18,7 @@ from dd_sglang.prefetch.selectors import Selector
 from dd_sglang.prefetch.speculators import verify
 
 if TYPE_CHECKING:
-    from dd_sglang.prefetch.plan import PlanInputs
+    from dd_sglang.prefetch.plan_inputs import PlanInputs
 
 
 @dataclass

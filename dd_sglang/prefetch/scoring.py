@@ -29,12 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from dd_sglang.prefetch.index import KeyBlockIndex
 
 #: Tokens summarised by one index entry (Quest's default page size).
 BLOCK_TOKENS = 16
@@ -144,7 +140,7 @@ def block_bounds(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> tor
     )
 
 
-def block_scores(q: torch.Tensor, rows: RowBlocks, index: KeyBlockIndex, layer: int, scale: float) -> torch.Tensor:
+def block_scores(q: torch.Tensor, rows: RowBlocks, mins: torch.Tensor, maxs: torch.Tensor, scale: float) -> torch.Tensor:
     """Per KV head, each block's bound as a log-probability bound, maxed over the GQA group.
 
     Per query head, ``bound - logsumexp_b(bound_b + log 16)``: the block's scaled bound less an
@@ -152,14 +148,17 @@ def block_scores(q: torch.Tensor, rows: RowBlocks, index: KeyBlockIndex, layer: 
     so blocks compare across the group's heads as the token scores do (max over the group of
     softmax probabilities).
 
-    ``q``: ``[rows, num_q_heads, head_dim]``. Returns ``[rows, num_kv_heads, blocks]`` float32,
-    ``-inf`` for blocks without candidates.
+    ``q``: ``[rows, num_q_heads, head_dim]``; ``mins``, ``maxs``: one layer's block summaries
+    ``[host_slots / 16, num_kv_heads, head_dim]`` (:class:`~dd_sglang.prefetch.index.KeyBlockIndex`'s
+    ``mins[layer]``, ``maxs[layer]``), on any device. Returns ``[rows, num_kv_heads, blocks]``
+    float32 on the CPU, ``-inf`` for blocks without candidates.
     """
-    blocks = rows.blocks.to(index.device)
-    mins, maxs = index.mins[layer][blocks], index.maxs[layer][blocks]  # [R, B, Hkv, D]
+    device = mins.device
+    blocks = rows.blocks.to(device)
+    mins, maxs = mins[blocks], maxs[blocks]  # [R, B, Hkv, D]
     r, hq, d = q.shape
     hkv = mins.shape[2]
-    ub = block_bounds(q.to(index.device).float().view(r, hkv, hq // hkv, d), mins, maxs) * scale
+    ub = block_bounds(q.to(device).float().view(r, hkv, hq // hkv, d), mins, maxs) * scale
     ub = ub.masked_fill(~rows.valid.to(ub.device)[:, None, None, :], float("-inf"))
     # A log-softmax bound per query head: each block stands for up to 16 tokens at its bound, so
     # the head's normaliser is about logsumexp(bound + log 16). A head whose attention is spread

@@ -337,7 +337,7 @@ class QuestDeviceSelector(Selector):
     def _score_layer(self, q, rows, k, scale, index, layer):
         n_blocks = rows.blocks.shape[1]
         m = min(n_blocks, -(-(k + rows.holes) // BLOCK_TOKENS))
-        bscore = block_scores(q, rows, index, layer, scale)
+        bscore = block_scores(q, rows, index.mins[layer], index.maxs[layer], scale)
         chosen = bscore.topk(m, dim=-1).indices
         pos, slots, ok = block_tokens(rows, chosen)
         score = bscore.gather(-1, chosen).repeat_interleave(BLOCK_TOKENS, dim=-1)
