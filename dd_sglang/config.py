@@ -306,12 +306,6 @@ class ExperimentalSection(_Strict):
     )  # fmt: skip
     confident: float = Field(0.9, ge=0.0, le=1.0,
                              description="With ``branches: 2``: top-1 probability at or above which one token rides.")  # fmt: skip
-    real_query: Literal["never", "after_miss", "always"] = Field(
-        "never",
-        description="Whether the lookahead selection also ranks by the real token's query (same ``top_k``): "
-        "``never``; ``after_miss``, on steps whose riding token is not the model's own guess (the last speculation "
-        "was rejected, or none rode); ``always``. ``after_miss`` was measured worse on 6 of 6 cells.",
-    )
     sampling: Literal["independent", "coupled"] = Field(
         "coupled",
         description="``coupled`` draws a sampled sparse request's real token and its speculated successor with the "

@@ -372,31 +372,6 @@ def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_ta
     _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
 
 
-@pytest.mark.parametrize("real_query,accepted", [("always", True), ("after_miss", False), ("after_miss", True)])
-def test_real_query_joins_the_speculated_one_in_the_next_steps_ranking(real_query, accepted):
-    """experimental.real_query: the set fixed for the next step is the top-k of the max over the speculated
-    and the real query's per-KV-head scores (``always``, or ``after_miss`` when the last speculation
-    was not accepted); an accepted speculation under ``after_miss`` ranks by the speculated query alone."""
-    h = Harness(PrefetchParams(hit_rate_sample=0.0, real_query=real_query, miss_policy="use_prefetched"), top_k=24,
-                selector="spec_host_exact")  # fmt: skip
-    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4 - 1) + [99, 6, 7, 8]  # after a 99, lookup says 6
-    h.step()  # a token rides (prompt lookup)
-    cand_prev = h.st.host_candidates()
-    _, qs_prev, _ = h.step(tok=None if accepted else 99)  # the rider was the real token, or not
-    assert h.backend.runner.store.get("r1").spec.branch == (0 if accepted else None)
-    resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
-    _, qs, outs = h.step(tok=h.backend.runner.store.get("r1").spec.riding[0])  # accepted
-    for i in range(LAYERS):
-        spec_q, real_q = qs_prev[i][0][1], qs_prev[i][0][0]
-        s = gqa_token_scores(spec_q, h.k_all[i][cand_prev], SCALE)
-        if real_query == "always" or not accepted:
-            s = torch.maximum(s, gqa_token_scores(real_q, h.k_all[i][cand_prev], SCALE))
-        sets = [set(cand_prev[s[kv].topk(24).indices].tolist()) | resident for kv in range(HKV)]
-        q = qs[i][0][0]
-        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
-
-
 @pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
 @pytest.mark.parametrize("accepted", [True, False])
 def test_verify_attends_the_real_querys_top_k_whatever_was_prefetched(kernel, transfer, accepted):

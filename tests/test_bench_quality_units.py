@@ -91,15 +91,15 @@ def test_prediction_variants_are_parsed_and_checked_by_the_preset_schema():
     from bench.prediction import parse_variants, variant_label
 
     assert parse_variants("default,b2=experimental.branches:2,"
-                          "both=experimental.branches:2/experimental.real_query:after_miss") == {
+                          "both=experimental.branches:2/experimental.miss_policy:use_prefetched") == {
         "default": {},
         "b2": {"experimental.branches": 2},
-        "both": {"experimental.branches": 2, "experimental.real_query": "after_miss"},
+        "both": {"experimental.branches": 2, "experimental.miss_policy": "use_prefetched"},
     }  # fmt: skip
     assert variant_label("spec_host+dual_token", "b2") == "spec_host+dual_token[b2]"
     assert variant_label("recency", "default") == "recency"
     for bad, needle in [("b3=experimental.branches:3", "experimental.branches"),
-                        ("x=experimental.real_query:sometimes", "experimental.real_query"),
+                        ("x=experimental.miss_policy:sometimes", "experimental.miss_policy"),
                         ("x=branches:2", "SECTION.KEY=VALUE"), ("x=prefetch.branches:2", "unknown key 'prefetch.branches'"),
                         ("x=nokey", "not SECTION.KEY:value"), ("default=experimental.branches:2", "bad item"),
                         ("b=", "bad item"), ("a=experimental.branches:2,a=experimental.branches:1", "bad item"),

@@ -96,7 +96,7 @@ def test_the_shipped_schema_stays_small():
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
     assert len(shipped) == 27  # name, model.path, server 8, metrics 3, sparse 11, prefetch 3
     moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "branches", "confident",
-             "real_query", "sampling", "n_keep", "first_level_tokens"}  # fmt: skip
+             "sampling", "n_keep", "first_level_tokens"}  # fmt: skip
     assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
     assert moved | {"request_overrides"} == set(ExperimentalSection.model_fields)
 

@@ -30,7 +30,6 @@ class PrefetchParams:
     gather: str = _EXPERIMENTAL.gather
     branches: int = _EXPERIMENTAL.branches
     confident: float = _EXPERIMENTAL.confident
-    real_query: str = _EXPERIMENTAL.real_query
     kernel: str = _EXPERIMENTAL.kernel
     sampling: str = _EXPERIMENTAL.sampling
     first_level_tokens: int | None = _EXPERIMENTAL.first_level_tokens

@@ -151,7 +151,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         n_fixed=n_fixed,
         started=started,
         fixed=fixed,
-        selection=_selections(rows, n_fixed, ahead_rows, qidx, inp.real_query),
+        selection=_selections(rows, n_fixed, ahead_rows, qidx),
         layout=layout,
         spec=_riding_tokens(rows, spec, spec_tok, layout.n_res + layout.k, dev),
         checks=_checked_rows(rows, n_ahead, inp),
@@ -169,15 +169,14 @@ def _renew_next_sets(rows: list[PlanRow], store: PredictionStore, n_layers: int)
     return ahead_rows
 
 
-def _selections(rows: list[PlanRow], n_fixed: int, ahead_rows: list[int], qidx: torch.Tensor,
-                real_query: str) -> Selections:  # fmt: skip
+def _selections(rows: list[PlanRow], n_fixed: int, ahead_rows: list[int], qidx: torch.Tensor) -> Selections:
     """:class:`Selections`: the sync rows ``[n_fixed, R)`` grouped on the real query, the
     lookahead ``ahead_rows`` on their speculated ones, over every row's candidate blocks."""
     blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
                         [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
     return Selections(
         sync=tuple(_groups(rows, range(n_fixed, len(rows)), blocks, qidx, use_spec=False)),
-        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True, real_query=real_query)),
+        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True)),
         blocks=blocks,
         top_k=torch.tensor([r.st.choice.top_k for r in rows], dtype=torch.int64),
     )
@@ -270,16 +269,12 @@ def _lo(r: PlanRow) -> int:
     return int(r.cand[0]) if r.cand.numel() else 0
 
 
-def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool,
-            real_query: str = "never") -> list:  # fmt: skip
+def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool) -> list:
     """Group plan rows ``which`` by selector (one selection call per group and layer).
 
     A group's queries: the speculated positions (all of them: the selector ranks by every
     riding token's query at once) for a selector that reads them when ``use_spec``, else the
-    real one. With ``real_query`` ``always``, or ``after_miss`` for a row whose last speculation
-    was not accepted (:attr:`SpecState.branch` is None: its rider, if any, is a prompt lookup),
-    the real query joins them; other rows of the group repeat their first rider there (the same
-    ranking: a selector takes the max over a KV head's queries).
+    real one.
     """
     by_name: dict[str, list[int]] = {}
     for j in which:
@@ -291,9 +286,6 @@ def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, u
         idx = torch.tensor(js, dtype=torch.int64)
         spec = use_spec and sel.uses_speculator and qidx.shape[1] > 1
         q = qidx[idx, 1:] if spec else qidx[idx, :1]
-        if spec and real_query != "never":
-            mix = torch.tensor([real_query == "always" or rows[j].pred.spec.branch is None for j in js])
-            q = torch.cat([q, torch.where(mix, qidx[idx, 0], qidx[idx, 1]).unsqueeze(1)], 1)
         dest = torch.tensor([order[j] for j in js], dtype=torch.int64)
         # Every row, in order (one selector, no cold start): the step's blocks themselves, so their
         # cached ``tokens`` are built once for the plan and the selection.

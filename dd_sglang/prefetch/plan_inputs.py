@@ -33,7 +33,6 @@ class PlanInputs:
     miss_policy: str
     hit_rate_sample: float
     rng: random.Random
-    real_query: str = "never"
     sampling: str = "coupled"
 
     @classmethod
@@ -53,6 +52,5 @@ class PlanInputs:
             miss_policy=params.miss_policy,
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
-            real_query=params.real_query,
             sampling=params.sampling,
         )
