@@ -84,6 +84,12 @@ BUCKETS_PER_OCTAVE = 8
 _BUCKETS = os.environ.get(ROW_BUCKETS_ENV, "1").strip() != "0"
 
 
+def _cpu_bf16(w, x: torch.Tensor) -> bool:
+    """Whether ``w`` is a tensor and ``w`` and ``x`` are both bfloat16 on the CPU."""
+    return (isinstance(w, torch.Tensor) and w.dtype == x.dtype == torch.bfloat16
+            and w.device.type == x.device.type == "cpu")  # fmt: skip
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a product of ``rows`` rows runs at: ``rows`` itself up to :data:`PACK_MAX_ROWS`
     (decode steps), else ``rows`` rounded up to a multiple of 1/8 of its octave's lower bound
@@ -109,15 +115,7 @@ def bucketed_linear(layer: torch.nn.Module, x: torch.Tensor, run) -> torch.Tenso
     Returns:
         ``[..., out]``: ``run``'s first ``rows`` rows.
     """
-    w = getattr(layer, "weight", None)
-    if (
-        not _BUCKETS
-        or not isinstance(w, torch.Tensor)
-        or w.dtype != torch.bfloat16
-        or x.dtype != torch.bfloat16
-        or w.device.type != "cpu"
-        or x.device.type != "cpu"
-    ):
+    if not _BUCKETS or not _cpu_bf16(getattr(layer, "weight", None), x):
         return None
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
@@ -212,11 +210,7 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | 
     w = getattr(layer, "weight", None)
     if (
         not _ENABLED
-        or not isinstance(w, torch.Tensor)
-        or w.dtype != torch.bfloat16
-        or x.dtype != torch.bfloat16
-        or w.device.type != "cpu"
-        or x.device.type != "cpu"
+        or not _cpu_bf16(w, x)
         or w.dim() != 2
         or w.requires_grad
         or getattr(layer, "use_intel_amx_backend", False)  # SGLang's own AMX path packed it already
