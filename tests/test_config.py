@@ -255,8 +255,7 @@ def test_launcher_rejects_bad_sglang_port(port, tmp_path):
     "key,flag,owner",
     [("port", "--port", "server.port"), ("por", "--port", "server.port"), ("hos", "--host", "server.host"),
      ("model", "--model-path", "model.path"), ("model_path", "--model-path", "model.path"),
-     ("max_total_tokens", "--max-total-tokens", "server.max_total_tokens"),
-     ("attention-backend", "--attention-backend", "sparse.enabled")],
+     ("max_total_tokens", "--max-total-tokens", "server.max_total_tokens")],
 )  # fmt: skip
 def test_sglang_args_may_not_name_a_flag_the_preset_owns(tmp_path, key, flag, owner):
     """``server.sglang_args`` cannot spell, in any way SGLang's parser takes (a prefix, the ``--model``
@@ -450,6 +449,17 @@ def test_the_sparse_path_is_a_preset_key_and_the_flag_still_wins():
     dense = build_sglang_argv(on, ["--attention-backend", "torch_native"], "/m", cpu=True)
     assert flag_value(dense, "--attention-backend") == "torch_native" and "--radix-cache-backend" not in dense
     assert "--attention-backend" not in build_sglang_argv(DDConfig(), [], "/m", cpu=True)
+
+
+def test_sparse_enabled_and_an_attention_backend_in_sglang_args_are_refused_together(tmp_path):
+    """``sparse.enabled: true`` sets ``--attention-backend``; naming it again in ``server.sglang_args``
+    stops the launcher (exit 2) naming both. Without ``sparse.enabled`` a preset may pick any backend there."""
+    p = tmp_path / "preset.yaml"
+    p.write_text("sparse:\n  enabled: true\nserver:\n  sglang_args:\n    attention-backend: triton\n")
+    r = _refused_before_torch("--dd-config", str(p), "--model-path", str(tmp_path))
+    assert "server.sglang_args: 'attention-backend' names SGLang's --attention-backend, which sparse.enabled" in r.stderr
+    other = DDConfig.model_validate({"server": {"sglang_args": {"attention-backend": "triton"}}})
+    assert flag_value(build_sglang_argv(other, [], "/m", cpu=True), "--attention-backend") == "triton"
 
 
 def test_value_lists_and_ranges_come_from_the_schema():

@@ -74,6 +74,8 @@ def _brute_force(q, keys, slots, lens, k, m, pages, scale):
                     for i in order.tolist():
                         keep[blocks[i] * 16 : blocks[i] * 16 + 16] = True
                 c = cand[keep[cand]]
+                if c.numel() < m:  # too few left to re-rank m: the kernel keeps every candidate
+                    c = cand
             else:
                 c = cand
             k8, ks = _q8(kk[c])  # [C, Hkv, D]
@@ -203,3 +205,12 @@ def test_block_means_are_the_quantised_means_of_each_block():
         ref8, refs = _q8(keys[:, slots[0][pos0 : pos0 + n]].mean(1))
         assert torch.equal(means[:, blk].float(), ref8)
         torch.testing.assert_close(scales[:, blk], refs.squeeze(-1))
+
+
+def test_a_cut_that_leaves_fewer_than_m_candidates_scans_every_one():
+    """One block kept per KV head holds at most 3 x 16 = 48 candidates, fewer than the 64 (2 x 32)
+    the exact re-rank takes: the kernel cuts nothing and selects as the full scan does."""
+    lens = [1500]
+    keys, idx, rows, _ = _tier(lens, 64, seed=14)
+    q = torch.randn(2, 1, 9, 64, generator=torch.Generator().manual_seed(15))
+    assert torch.equal(_select(q, keys, idx, rows, 32, 1), _select(q, keys, idx, rows, 32, 0))

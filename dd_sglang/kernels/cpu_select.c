@@ -688,11 +688,12 @@ static void approx_logits(const row_queries *Q, const int64_t *srow, const int32
  * on the block means: approximate logit, per query the log-sum-exp over the row's blocks, the
  * max over the GQA group), and per KV head the `pages` best blocks are kept (ties: the first in
  * position order). cpos[0..n) is compacted in place to the kept candidates, in the same order;
- * returns their count (n itself when the row has at most `pages` blocks). Bytes read: the
+ * returns their count, or n itself (nothing cut) when the row has at most `pages` blocks or the
+ * kept blocks hold fewer than `need` candidates (the m the exact re-rank takes). Bytes read: the
  * blocks' summaries (1/16 of the index's) and then the kept candidates' index rows.
  * Returns -1 when out of memory. */
 static int first_level(const row_queries *Q, const int64_t *srow, int32_t *cpos, int n, const int8_t *c8l,
-                       const float *csl, int H, int G, int D, int simd, int pages) {
+                       const float *csl, int H, int G, int D, int simd, int pages, int need) {
     int nb = 0, last = -1;
     for (int c = 0; c < n; c++) nb += (cpos[c] >> 4) != last ? (last = cpos[c] >> 4, 1) : 0;
     if (nb <= pages) return n;
@@ -721,13 +722,22 @@ static int first_level(const row_queries *Q, const int64_t *srow, int32_t *cpos,
             int got = take_top(ps, nb, kth_largest(ps, nb, pages, (uint32_t *)(ps + nb)), pages, top);
             for (int i = 0; i < got; i++) keep[top[i].i] = 1;
         }
-        int w = 0, b = -1;
+        int kept = 0, b = -1;
         last = -1;
         for (int c = 0; c < n; c++) {
             if ((cpos[c] >> 4) != last) last = cpos[c] >> 4, b++;
-            if (keep[b]) cpos[w++] = cpos[c];
+            kept += keep[b];
         }
-        rc = w;
+        rc = n;
+        if (kept >= need) { /* else too few to re-rank m: keep every candidate (the full scan) */
+            int w = 0;
+            b = -1, last = -1;
+            for (int c = 0; c < n; c++) {
+                if ((cpos[c] >> 4) != last) last = cpos[c] >> 4, b++;
+                if (keep[b]) cpos[w++] = cpos[c];
+            }
+            rc = w;
+        }
     }
     free(bslot);
     free(iota);
@@ -809,7 +819,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         for (int p = 0; p < P; p++)
             if (okrow[p]) cpos[n++] = p;
         if (pages > 0 && c8 && (n = first_level(&Q, srow, cpos, n, c8 + (int64_t)l * (S >> 4) * H * D,
-                                                cscale + (int64_t)l * (S >> 4) * H, H, G, D, simd, pages)) < 0) {
+                                                cscale + (int64_t)l * (S >> 4) * H, H, G, D, simd, pages, m)) < 0) {
             bad = 1;
             break;
         }
@@ -852,7 +862,7 @@ static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int
     for (int p = 0; p < P; p++)
         if (okrow[p]) cpos[n++] = p;
     if (pages > 0 && c8 && (n = first_level(Q, srow, cpos, n, c8 + (int64_t)l * (S >> 4) * H * D,
-                                            cscale + (int64_t)l * (S >> 4) * H, H, G, D, simd, pages)) < 0) {
+                                            cscale + (int64_t)l * (S >> 4) * H, H, G, D, simd, pages, m)) < 0) {
         free(a);
         free(cpos);
         free(Q);

@@ -58,23 +58,24 @@ def names_flag(flag: str, arg: str) -> bool:
 
 
 #: The one table of preset keys and the SGLang flags they set, in command-line order: ``(key, flag,
-#: value)``, ``value`` mapping the key's value to the flag's (None: the flag is not given).
-#: :func:`build_sglang_argv` passes each (unless the command line gives the flag) and
-#: ``server.sglang_args`` may not name one (:data:`PRESET_OWNED_FLAGS`). ``model.path`` is passed as
-#: the launcher resolves it (the embedded model when null).
-PRESET_KEY_FLAGS: tuple[tuple[str, str, object], ...] = (
-    ("model.path", "--model-path", None),
-    ("server.host", "--host", None),
-    ("server.port", "--port", None),
-    ("server.max_total_tokens", "--max-total-tokens", None),
-    ("server.context_length", "--context-length", None),
-    ("server.max_running_requests", "--max-running-requests", None),
-    ("sparse.enabled", "--attention-backend", lambda on: "dualdecoder" if on else None),
+#: value, owned)``, ``value`` mapping the key's value to the flag's (None: the flag is not given).
+#: :func:`build_sglang_argv` passes each (unless the command line gives the flag); ``server.sglang_args``
+#: may not name an ``owned`` one (:data:`PRESET_OWNED_FLAGS`). ``sparse.enabled`` owns
+#: ``--attention-backend`` only when true (a preset may pick another backend through ``sglang_args``:
+#: ``startup_checks`` refuses the two together). ``model.path`` is passed as the launcher resolves it.
+PRESET_KEY_FLAGS: tuple[tuple[str, str, object, bool], ...] = (
+    ("model.path", "--model-path", None, True),
+    ("server.host", "--host", None, True),
+    ("server.port", "--port", None, True),
+    ("server.max_total_tokens", "--max-total-tokens", None, True),
+    ("server.context_length", "--context-length", None, True),
+    ("server.max_running_requests", "--max-running-requests", None, True),
+    ("sparse.enabled", "--attention-backend", lambda on: "dualdecoder" if on else None, False),
 )
 #: SGLang flags that preset keys of their own set (:data:`PRESET_KEY_FLAGS`): ``server.sglang_args``
 #: may not name one, by any spelling SGLang's parser takes (a prefix, an alias), or SGLang would get
 #: a second value, and take the last, that the launcher's checks never saw.
-PRESET_OWNED_FLAGS = {flag: key for key, flag, _ in PRESET_KEY_FLAGS}
+PRESET_OWNED_FLAGS = {flag: key for key, flag, _, owned in PRESET_KEY_FLAGS if owned}
 
 
 def preset_key_value(cfg: DDConfig, key: str) -> object:
@@ -122,7 +123,7 @@ def build_sglang_argv(
     CUDA, ``--disable-cuda-graph``, unless given.
     """
     defaults: list[tuple[str, object]] = []
-    for key, flag, to_flag in PRESET_KEY_FLAGS:
+    for key, flag, to_flag, _ in PRESET_KEY_FLAGS:
         value = model_path if key == "model.path" else preset_key_value(cfg, key)
         defaults.append((flag, to_flag(value) if to_flag else value))
     defaults[1:1] = [("--served-model-name", served_name), ("--device", "cpu" if cpu else None)]  # after the model

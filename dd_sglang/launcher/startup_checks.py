@@ -124,6 +124,10 @@ def _check_sglang_args(cfg: DDConfig) -> None:
         for flag, owner in PRESET_OWNED_FLAGS.items():
             if names_flag(flag, word) or names_flag(flag, word.replace("_", "-")):
                 raise Refused(f"server.sglang_args: {key!r} names SGLang's {flag}; set {owner} instead")
+        if cfg.sparse.enabled and (names_flag("--attention-backend", word)
+                                   or names_flag("--attention-backend", word.replace("_", "-"))):
+            raise Refused(f"server.sglang_args: {key!r} names SGLang's --attention-backend, which sparse.enabled: "
+                          "true sets (dualdecoder); drop one of them")  # fmt: skip
 
 
 def _port(argv: list[str], cfg: DDConfig) -> tuple[str, int]:

@@ -31,8 +31,8 @@ keys quantised like a key (int8, one absmax scale): ``num_layers x (host_slots /
 num_kv_heads x (head_dim + 4)`` bytes, 1/16 of the index. The C kernel ranks a row's blocks by
 them before it scores tokens (:func:`dd_sglang.kernels.native.spec_host_select`, ``pages``). An
 exact alternative was measured first and rejected: Quest's min/max bound (above) orders blocks
-with a guarantee, but on SmolLM2's keys at 8k tokens a scan in bound order must read 99.8% of the
-16-token blocks before the next bound falls below the 256th score (``bench.select_recall``).
+with a guarantee, but on SmolLM2's keys at 7.9k tokens a scan in bound order must read 99.7% of the
+16-token blocks before the next bound falls below the 512th (``rerank x k``-th) score (``bench.select_recall``).
 
 The step's candidates and the batched scoring that reads these indexes (and the tier's keys in
 place) are in :mod:`dd_sglang.prefetch.scoring`.
