@@ -55,13 +55,12 @@ def bounds(section: type[BaseModel], key: str) -> tuple[float, float]:
     Raises:
         ValueError: the key declares no ``ge`` or no ``le``.
     """
-    lo = hi = None
-    for m in section.model_fields[key].metadata:
-        lo = getattr(m, "ge", lo) if getattr(m, "ge", None) is not None else lo
-        hi = getattr(m, "le", hi) if getattr(m, "le", None) is not None else hi
-    if lo is None or hi is None:
+    meta = section.model_fields[key].metadata
+    lo = [m.ge for m in meta if getattr(m, "ge", None) is not None]
+    hi = [m.le for m in meta if getattr(m, "le", None) is not None]
+    if not lo or not hi:
         raise ValueError(f"{section.__name__}.{key} declares no ge/le range")
-    return lo, hi
+    return lo[0], hi[0]
 
 
 class ConfigError(ValueError):

@@ -520,7 +520,8 @@ static float logaddexp(float a, float b) {
  * position of candidate c): steps 3-7 of the header. Writes k positions and slots, best first. */
 static void select_head(const float *a, int n, const int32_t *cpos, int G, int D, int k, int m,
                         float scale, const float (*qf)[MAXD], const char *keys_l, int64_t key_row,
-                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc, float *e, float *sv, int64_t *op, int64_t *os) {
+                        int64_t head_off, int key_bf16, int simd, const int64_t *srow, scored *sc, float *e,
+                        float *sv, int64_t *op, int64_t *os) {
     float z[MAXG], taken[MAXG];
     if (n <= k) { /* not expected (rows have more than k candidates); keep what there is */
         for (int c = 0; c < k; c++) {
@@ -694,45 +695,43 @@ static void approx_logits(const row_queries *Q, const int64_t *srow, const int32
  * Returns -1 when out of memory. */
 static int first_level(const row_queries *Q, const int64_t *srow, int32_t *cpos, int n, const int8_t *c8l,
                        const float *csl, int H, int G, int D, int simd, int pages, int need) {
-    int nb = 0, last = -1;
-    for (int c = 0; c < n; c++) nb += (cpos[c] >> 4) != last ? (last = cpos[c] >> 4, 1) : 0;
-    if (nb <= pages) return n;
-    int64_t *bslot = malloc(sizeof(int64_t) * (size_t)nb);
-    int32_t *iota = malloc(sizeof(int32_t) * (size_t)nb);
-    float *ab = malloc(sizeof(float) * (size_t)H * G * nb);
-    float *ps = malloc(sizeof(float) * 3 * (size_t)nb); /* scores, then kth_largest's scratch */
-    scored *top = malloc(sizeof(scored) * (size_t)nb);
-    uint8_t *keep = calloc((size_t)nb, 1);
-    int rc = bslot && iota && ab && ps && top && keep ? 0 : -1;
-    if (rc == 0) {
-        nb = 0, last = -1;
-        for (int c = 0; c < n; c++)
-            if ((cpos[c] >> 4) != last) {
-                last = cpos[c] >> 4;
-                bslot[nb] = srow[cpos[c]] >> 4;
-                iota[nb] = nb;
-                nb++;
-            }
+    if (n == 0) return 0;
+    /* blocks the candidates can lie in (cpos ascends): an upper bound on the row's block count */
+    const int span = (cpos[n - 1] >> 4) - (cpos[0] >> 4) + 1;
+    int64_t *bslot = malloc(sizeof(int64_t) * (size_t)span);
+    int32_t *iota = malloc(sizeof(int32_t) * (size_t)span), *count = malloc(sizeof(int32_t) * (size_t)span);
+    float *ab = malloc(sizeof(float) * (size_t)H * G * span);
+    float *ps = malloc(sizeof(float) * 3 * (size_t)span); /* scores, then kth_largest's scratch */
+    scored *top = malloc(sizeof(scored) * (size_t)span);
+    uint8_t *keep = calloc((size_t)span, 1);
+    int rc = bslot && iota && count && ab && ps && top && keep ? n : -1;
+    int nb = 0;
+    for (int c = 0, last = -1; rc >= 0 && c < n; c++) { /* the row's blocks and their candidates */
+        if ((cpos[c] >> 4) != last) {
+            last = cpos[c] >> 4;
+            bslot[nb] = srow[cpos[c]] >> 4;
+            iota[nb] = nb;
+            count[nb++] = 0;
+        }
+        count[nb - 1]++;
+    }
+    if (rc >= 0 && nb > pages) {
         approx_logits(Q, bslot, iota, nb, 0, nb, c8l, csl, H, G, D, simd, ab);
+        int kept = 0;
         for (int h = 0; h < H; h++) {
             const float *ah = ab + (int64_t)h * G * nb;
             float z[MAXG];
             for (int j = 0; j < G; j++) z[j] = lse(ah + (int64_t)j * nb, nb);
             group_scores(ah, nb, G, z, ps);
             int got = take_top(ps, nb, kth_largest(ps, nb, pages, (uint32_t *)(ps + nb)), pages, top);
-            for (int i = 0; i < got; i++) keep[top[i].i] = 1;
+            for (int i = 0; i < got; i++) {
+                kept += keep[top[i].i] ? 0 : count[top[i].i];
+                keep[top[i].i] = 1;
+            }
         }
-        int kept = 0, b = -1;
-        last = -1;
-        for (int c = 0; c < n; c++) {
-            if ((cpos[c] >> 4) != last) last = cpos[c] >> 4, b++;
-            kept += keep[b];
-        }
-        rc = n;
         if (kept >= need) { /* else too few to re-rank m: keep every candidate (the full scan) */
             int w = 0;
-            b = -1, last = -1;
-            for (int c = 0; c < n; c++) {
+            for (int c = 0, b = -1, last = -1; c < n; c++) {
                 if ((cpos[c] >> 4) != last) last = cpos[c] >> 4, b++;
                 if (keep[b]) cpos[w++] = cpos[c];
             }
@@ -741,6 +740,7 @@ static int first_level(const row_queries *Q, const int64_t *srow, int32_t *cpos,
     }
     free(bslot);
     free(iota);
+    free(count);
     free(ab);
     free(ps);
     free(top);
@@ -768,13 +768,12 @@ static void scratch_free(head_scratch *w) {
 }
 
 /* steps 3-7 for KV head h of task (l, r), from its approximate logits a (the task's [H G, n]). */
-static void select_task_head(int l, int r, int h, int R, int H, int G, int D, int P, int64_t S, int n,
+static void select_task_head(int l, int r, int h, int R, int H, int G, int D, int64_t S, int n,
                              const int32_t *cpos, const float *a, const row_queries *Q, const int64_t *srow,
                              const void *keys, int key_bf16, int k, int m, float scale, int simd,
                              int64_t *out_pos, int64_t *out_slots, head_scratch *w) {
     const char *keys_l = (const char *)keys + (int64_t)l * S * H * D * (key_bf16 ? 2 : 4);
     int64_t o = (((int64_t)l * R + r) * H + h) * k;
-    (void)P;
     select_head(a + (int64_t)h * G * n, n, cpos, G, D, k, m, scale, (const float(*)[MAXD])Q->qf[h * G], keys_l,
                 (int64_t)H * D, (int64_t)h * D, key_bf16, simd, srow, w->sc, w->e, w->sv, out_pos + o,
                 out_slots + o);
@@ -826,7 +825,7 @@ int dd_spec_host_select(int L, int R, int H, int G, int D, int P, int64_t S, con
         approx_logits(&Q, srow, cpos, n, 0, n, q8 + (int64_t)l * S * H * D, kscale + (int64_t)l * S * H, H, G, D,
                       simd, a);
         for (int h = 0; h < H; h++)
-            select_task_head(l, r, h, R, H, G, D, P, S, n, cpos, a, &Q, srow, keys, key_bf16, k, m, scale, simd,
+            select_task_head(l, r, h, R, H, G, D, S, n, cpos, a, &Q, srow, keys, key_bf16, k, m, scale, simd,
                              out_pos, out_slots, &w);
     }
     free(a);
@@ -883,7 +882,7 @@ static int select_task_wide(int t, int L, int R, int H, int G, int D, int P, int
             rc |= 1;
         else
             for (int h = id; h < H; h += nt)
-                select_task_head(l, r, h, R, H, G, D, P, S, n, cpos, a, Q, srow, keys, key_bf16, k, m, scale, simd,
+                select_task_head(l, r, h, R, H, G, D, S, n, cpos, a, Q, srow, keys, key_bf16, k, m, scale, simd,
                                  out_pos, out_slots, &w);
         scratch_free(&w);
     }

@@ -119,13 +119,17 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
 
 def _check_sglang_args(cfg: DDConfig) -> None:
     """``server.sglang_args`` names none of :data:`PRESET_OWNED_FLAGS` (nor, with ``_`` for ``-``, a
-    spelling of one). Raises :class:`Refused` naming the key and the preset key to use instead."""
+    spelling of one), nor ``--attention-backend`` while ``sparse.enabled`` sets it. Raises
+    :class:`Refused` naming the key and the preset key to use instead."""
+
+    def spells(flag: str, word: str) -> bool:  # as SGLang's parser reads it, or with _ for -
+        return names_flag(flag, word) or names_flag(flag, word.replace("_", "-"))
+
     for key, word in zip(cfg.server.sglang_args, preset_words(cfg), strict=True):
         for flag, owner in PRESET_OWNED_FLAGS.items():
-            if names_flag(flag, word) or names_flag(flag, word.replace("_", "-")):
+            if spells(flag, word):
                 raise Refused(f"server.sglang_args: {key!r} names SGLang's {flag}; set {owner} instead")
-        if cfg.sparse.enabled and (names_flag("--attention-backend", word)
-                                   or names_flag("--attention-backend", word.replace("_", "-"))):
+        if cfg.sparse.enabled and spells("--attention-backend", word):
             raise Refused(f"server.sglang_args: {key!r} names SGLang's --attention-backend, which sparse.enabled: "
                           "true sets (dualdecoder); drop one of them")  # fmt: skip
 

@@ -139,6 +139,13 @@ def block_slots(host_slots: torch.Tensor, start: int, end: int) -> tuple[torch.T
     return slots, valid, base // b
 
 
+def _quantize_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` float32 as int8 with one absmax scale per vector: ``(round(x / s)`` to even, clamped
+    to [-127, 127], ``s = max(max |x|, 1e-12) / 127)``; ``x`` is overwritten (it becomes ``x / s``)."""
+    s = x.abs().amax(dim=-1).clamp_(min=1e-12).div_(127.0)
+    return x.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8), s
+
+
 #: :meth:`QuantKeyIndex.update`: largest float32 temporary of one chunk of positions (bytes).
 UPDATE_CHUNK_BYTES = 32 << 20
 
@@ -206,9 +213,8 @@ class QuantKeyIndex:
         for i in range(0, all_slots.numel(), step):
             slots = all_slots[i : i + step]
             dst = slots.to(self.device)
-            keys = self.host_k.index_select(1, slots).float()
-            s = keys.abs().amax(dim=-1).clamp_(min=1e-12).div_(127.0)
-            self.q8[:, dst] = keys.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
+            q8, s = _quantize_(self.host_k.index_select(1, slots).float())
+            self.q8[:, dst] = q8.to(self.device)
             self.scale[:, dst] = s.to(self.device)
 
     def _update_means(self, host_slots: torch.Tensor, start: int, end: int) -> None:
@@ -225,9 +231,9 @@ class QuantKeyIndex:
             keys = self.host_k.index_select(1, sl.flatten().to(self.host_k.device)).float()
             keys = keys.view(n_layers, -1, b, hkv, d).mul_(w.view(1, -1, b, 1, 1))
             mean = keys.sum(dim=2).div_(w.sum(dim=1).view(1, -1, 1, 1))  # [L, n, Hkv, D]
-            s = mean.abs().amax(dim=-1).clamp_(min=1e-12).div_(127.0)
+            q8, s = _quantize_(mean)
             dst = blocks[i : i + step].to(self.device)
-            means[:, dst] = mean.div_(s.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).to(self.device)
+            means[:, dst] = q8.to(self.device)
             scales[:, dst] = s.to(self.device)
 
     def candidate_logits(self, q: torch.Tensor, layers: slice, rows: RowBlocks, scale: float) -> torch.Tensor:

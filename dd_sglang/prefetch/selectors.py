@@ -276,9 +276,9 @@ class SpecHostSelector(Selector):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         slots, ok = rows.tokens
+        m = self._m(k)
         return native_kernel.spec_host_select(q.float(), slots, ok, index.q8[layers], index.scale[layers],
-                                              host_k, k, self._m(k), scale, out,
-                                              self._pages(index, layers, self._m(k)))  # fmt: skip
+                                              host_k, k, m, scale, out, self._pages(index, layers, m))  # fmt: skip
 
     def score_layers(self, q, rows, host_k, k, scale, index, layers):
         slots, ok = rows.tokens
