@@ -180,13 +180,15 @@ def test_the_selector_passes_its_budget_and_refuses_it_without_the_kernel():
     """``first_level_tokens`` reaches the kernel as blocks (tokens / 16); a ``rerank x k`` above the
     budget less 32 scans every candidate; without the C kernel the setting is refused."""
     lens = [2000]
-    keys, idx, rows, _ = _tier(lens, 64, seed=11)
+    keys, idx, rows, slots = _tier(lens, 64, seed=11)
     q = torch.randn(2, 1, 9, 64, generator=torch.Generator().manual_seed(12))
     sel = make_selector("host_sync", 2.0, True, 320)
     pos, _ = sel.select_layers(q, rows, keys, 64, 0.125, idx, slice(0, 2))
     assert torch.equal(pos, _select(q, keys, idx, rows, 64, 20))
+    assert _agree(pos, _brute_force(q, keys, slots, lens, 64, 128, 20, 0.125)) == 1.0
     pos, _ = sel.select_layers(q, rows, keys, 160, 0.125, idx, slice(0, 2))  # m = 320 > 320 - 32
     assert torch.equal(pos, _select(q, keys, idx, rows, 160, 0))
+    assert _agree(pos, _brute_force(q, keys, slots, lens, 160, 320, 10_000, 0.125)) == 1.0
     with pytest.raises(ValueError, match="first_level_tokens"):
         make_selector("host_sync", 2.0, False, 320)
     with pytest.raises(ValueError, match="blocks kept per KV head"):
@@ -211,6 +213,8 @@ def test_a_cut_that_leaves_fewer_than_m_candidates_scans_every_one():
     """One block kept per KV head holds at most 3 x 16 = 48 candidates, fewer than the 64 (2 x 32)
     the exact re-rank takes: the kernel cuts nothing and selects as the full scan does."""
     lens = [1500]
-    keys, idx, rows, _ = _tier(lens, 64, seed=14)
+    keys, idx, rows, slots = _tier(lens, 64, seed=14)
     q = torch.randn(2, 1, 9, 64, generator=torch.Generator().manual_seed(15))
-    assert torch.equal(_select(q, keys, idx, rows, 32, 1), _select(q, keys, idx, rows, 32, 0))
+    got = _select(q, keys, idx, rows, 32, 1)
+    assert torch.equal(got, _select(q, keys, idx, rows, 32, 0))
+    assert _agree(got, _brute_force(q, keys, slots, lens, 32, 64, 1, 0.125)) == 1.0
