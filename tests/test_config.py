@@ -75,7 +75,7 @@ def test_bad_values_name_the_key_and_range(data, needles):
 
 
 #: Most preset keys an operator meets: every leaf key outside the ``experimental`` section.
-SHIPPED_KEYS_MAX = 27
+SHIPPED_KEYS_MAX = 29  # 27, plus model.rope_scaling and model.rope_factor (issue 54: contexts past the trained one)
 
 
 def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -94,7 +94,7 @@ def test_the_shipped_schema_stays_small():
     under ``experimental`` only, and no measured loser is back among the shipped keys."""
     shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
-    assert len(shipped) == 27  # name, model.path, server 8, metrics 3, sparse 11, prefetch 3
+    assert len(shipped) == 29  # name, model 3 (path, rope_scaling, rope_factor), server 8, metrics 3, sparse 11, prefetch 3
     moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "branches", "confident",
              "sampling", "n_keep", "first_level_tokens"}  # fmt: skip
     assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
@@ -496,3 +496,67 @@ def test_launcher_refuses_a_bad_on_off_switch(tmp_path, switch):
     SGLang starts (exit 2), naming the variable."""
     r = _refused_before_torch("--model-path", str(tmp_path), env={switch: "false"})
     assert f"{switch} must be 0 or 1, got 'false'" in r.stderr + r.stdout
+
+
+def _hf_config(folder, **extra) -> str:
+    """A model folder holding only a ``config.json`` (SmolLM2's RoPE fields, transformers 5 layout)."""
+    import json
+
+    data = {"max_position_embeddings": 8192, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    (folder / "config.json").write_text(json.dumps({**data, **extra}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("scaling", ["yarn", "dynamic", "linear"])
+def test_rope_scaling_becomes_sglangs_model_override(tmp_path, scaling):
+    """``model.rope_scaling`` x ``rope_factor`` reaches SGLang as ``--json-model-override-args``: the
+    model's own ``rope_theta`` kept, the type and factor set; for YaRN the trained context becomes
+    ``original_max_position_embeddings`` and ``max_position_embeddings`` grows by the factor (SGLang's
+    ``get_context_length`` then derives 32,768; it multiplies by the factor itself for the others)."""
+    import json
+
+    from dd_sglang.launcher.sglang_argv import rope_override_json
+
+    cfg = DDConfig.model_validate({"model": {"rope_scaling": scaling, "rope_factor": 4.0}})
+    override = rope_override_json(cfg.model, _hf_config(tmp_path))
+    argv = build_sglang_argv(cfg, [], str(tmp_path), cpu=True, rope_override=override)
+    got = json.loads(flag_value(argv, "--json-model-override-args"))
+    want = {"rope_parameters": {"rope_theta": 100000.0, "rope_type": scaling, "factor": 4.0}}
+    if scaling == "yarn":
+        want["rope_parameters"]["original_max_position_embeddings"] = 8192
+        want["max_position_embeddings"] = 32768
+    assert got == want
+    theta_top = rope_override_json(cfg.model, _hf_config(tmp_path, rope_parameters=None, rope_theta=5e5))
+    assert json.loads(theta_top)["rope_parameters"]["rope_theta"] == 5e5  # transformers 4 layout
+    assert rope_override_json(DDConfig().model, str(tmp_path)) is None
+    assert "--json-model-override-args" not in build_sglang_argv(DDConfig(), [], str(tmp_path), cpu=True)
+
+
+@pytest.mark.parametrize(
+    "model,needle",
+    [({"rope_scaling": "yarn"}, "model.rope_factor must be > 1 with model.rope_scaling 'yarn'; got 1.0"),
+     ({"rope_scaling": "ntk", "rope_factor": 2.0}, "key 'model.rope_scaling': Input should be 'yarn', 'dynamic' or 'linear'"),
+     ({"rope_scaling": "yarn", "rope_factor": 100.0}, "key 'model.rope_factor'")],
+)  # fmt: skip
+def test_bad_rope_scaling_is_refused_naming_the_key(model, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": model}, "t")
+    assert needle in str(e.value)
+
+
+def test_rope_scaling_is_refused_beside_an_override_or_without_a_config_json(tmp_path):
+    """The launcher stops (exit 2, before PyTorch) when the scaling would silently replace a
+    ``--json-model-override-args`` of the command line or of ``server.sglang_args``, or when the model
+    folder has no ``config.json`` to read the trained context and ``rope_theta`` from."""
+    p = tmp_path / "p.yaml"
+    p.write_text("model:\n  rope_scaling: yarn\n  rope_factor: 2.0\n")
+    r = _refused_before_torch("--dd-config", str(p), "--model-path", str(tmp_path))
+    assert f"model.rope_scaling needs the model folder's config.json: {tmp_path}/config.json" in r.stderr
+    (tmp_path / "m").mkdir()
+    model = _hf_config(tmp_path / "m")
+    r = _refused_before_torch("--dd-config", str(p), "--model-path", model, "--json-model-override-args", "{}")
+    assert "model.rope_scaling sets SGLang's --json-model-override-args, which the command line or" in r.stderr
+    p.write_text("model:\n  rope_scaling: yarn\n  rope_factor: 2.0\nserver:\n  sglang_args:\n"
+                 "    json-model-override-args: '{}'\n")  # fmt: skip
+    r = _refused_before_torch("--dd-config", str(p), "--model-path", model)
+    assert "server.sglang_args gives too; drop one of them" in r.stderr

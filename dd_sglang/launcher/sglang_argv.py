@@ -12,9 +12,11 @@ nodes each gets its own cores (:func:`cpu_threads_bind`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from pathlib import Path
 
-from dd_sglang.config import DDConfig
+from dd_sglang.config import DDConfig, ModelSection
 
 logger = logging.getLogger("dd_sglang.launch_server")
 
@@ -62,7 +64,9 @@ def names_flag(flag: str, arg: str) -> bool:
 #: :func:`build_sglang_argv` passes each (unless the command line gives the flag); ``server.sglang_args``
 #: may not name an ``owned`` one (:data:`PRESET_OWNED_FLAGS`). ``sparse.enabled`` owns
 #: ``--attention-backend`` only when true (a preset may pick another backend through ``sglang_args``:
-#: ``startup_checks`` refuses the two together). ``model.path`` is passed as the launcher resolves it.
+#: ``startup_checks`` refuses the two together). ``model.path`` is passed as the launcher resolves it;
+#: ``model.rope_scaling`` (with ``model.rope_factor``) as :func:`rope_override_json` builds it from the
+#: model's ``config.json`` (``startup_checks`` refuses it beside a ``--json-model-override-args``).
 PRESET_KEY_FLAGS: tuple[tuple[str, str, object, bool], ...] = (
     ("model.path", "--model-path", None, True),
     ("server.host", "--host", None, True),
@@ -71,6 +75,7 @@ PRESET_KEY_FLAGS: tuple[tuple[str, str, object, bool], ...] = (
     ("server.context_length", "--context-length", None, True),
     ("server.max_running_requests", "--max-running-requests", None, True),
     ("sparse.enabled", "--attention-backend", lambda on: "dualdecoder" if on else None, False),
+    ("model.rope_scaling", "--json-model-override-args", None, False),
 )
 #: SGLang flags that preset keys of their own set (:data:`PRESET_KEY_FLAGS`): ``server.sglang_args``
 #: may not name one, by any spelling SGLang's parser takes (a prefix, an alias), or SGLang would get
@@ -109,11 +114,50 @@ def has_flag(argv: list[str], flag: str) -> bool:
     return any(names_flag(flag, a) for a in argv)
 
 
+def rope_override_json(model: ModelSection, model_dir: str) -> str | None:
+    """SGLang's ``--json-model-override-args`` for ``model.rope_scaling`` x ``model.rope_factor``, or
+    None when the preset sets no scaling.
+
+    Read from ``model_dir/config.json``: ``max_position_embeddings`` (the trained context, in tokens)
+    and ``rope_theta`` (top level, or in transformers 5's ``rope_parameters``). The override replaces
+    ``rope_parameters`` (SGLang's Llama reads its RoPE from there: ``sglang/srt/models/llama.py``) with
+    ``{rope_theta, rope_type, factor}``; for ``yarn`` it adds ``original_max_position_embeddings`` and
+    raises ``max_position_embeddings`` to ``factor x`` the trained context, so that SGLang derives
+    that context length (``sglang/srt/utils/hf_transformers/common.py: get_context_length`` scales
+    by ``factor`` only without an original length, as for ``dynamic`` and ``linear``).
+
+    Raises:
+        ValueError: ``model_dir`` has no readable ``config.json`` (a GGUF file, a hub id), or it lacks
+            ``max_position_embeddings`` or ``rope_theta`` (the message names the file and the key).
+    """
+    if model.rope_scaling is None:
+        return None
+    path = Path(model_dir).expanduser() / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model.rope_scaling needs the model folder's config.json: {path}: {err}") from None
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    trained = hf.get("max_position_embeddings")
+    for key, value in (("rope_theta", theta), ("max_position_embeddings", trained)):
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"model.rope_scaling: {path} gives no numeric {key} (got {value!r})")
+    params = {"rope_theta": theta, "rope_type": model.rope_scaling, "factor": model.rope_factor}
+    override: dict[str, object] = {"rope_parameters": params}
+    if model.rope_scaling == "yarn":
+        params["original_max_position_embeddings"] = trained
+        override["max_position_embeddings"] = int(trained * model.rope_factor)
+    return json.dumps(override, sort_keys=True)
+
+
 def build_sglang_argv(
-    cfg: DDConfig, user_argv: list[str], model_path: str | None, cpu: bool, served_name: str | None = None
+    cfg: DDConfig, user_argv: list[str], model_path: str | None, cpu: bool, served_name: str | None = None,
+    rope_override: str | None = None,
 ) -> list[str]:
     """SGLang's flags: the user's, then the preset's for every flag the user did not give.
 
+    ``rope_override``: the value of ``--json-model-override-args`` for ``model.rope_scaling``
+    (:func:`rope_override_json`; the launcher reads the model folder once).
     ``cpu`` (no CUDA; the dd_sglang CPU platform is active) adds ``--device cpu``:
     SGLang 0.5.23 resolves a missing ``--device`` through a path that expects a
     string from the platform (``srt/utils/common.py: get_device``).
@@ -124,7 +168,7 @@ def build_sglang_argv(
     """
     defaults: list[tuple[str, object]] = []
     for key, flag, to_flag, _ in PRESET_KEY_FLAGS:
-        value = model_path if key == "model.path" else preset_key_value(cfg, key)
+        value = {"model.path": model_path, "model.rope_scaling": rope_override}.get(key, preset_key_value(cfg, key))
         defaults.append((flag, to_flag(value) if to_flag else value))
     defaults[1:1] = [("--served-model-name", served_name), ("--device", "cpu" if cpu else None)]  # after the model
     defaults += [(f"--{k}", v) for k, v in cfg.server.sglang_args.items()]

@@ -24,6 +24,7 @@ from dd_sglang.launcher.sglang_argv import (
     names_flag,
     parallel_ranks,
     preset_words,
+    rope_override_json,
     with_cpu_dtype,
 )
 
@@ -114,6 +115,26 @@ def _model(cfg: DDConfig, sglang_argv: list[str]) -> tuple[str | None, str | Non
     try:
         return str(prepare_model()), SERVED_MODEL_NAME
     except ModelError as err:
+        raise Refused(str(err)) from None
+
+
+def _rope_override(cfg: DDConfig, sglang_argv: list[str], model_path: str | None) -> str | None:
+    """``--json-model-override-args`` for ``model.rope_scaling`` (:func:`rope_override_json`), read from
+    the model folder SGLang will load (``--model-path`` on the command line, else ``model_path``).
+
+    Raises:
+        Refused: the scaling beside a ``--json-model-override-args`` of the command line or of
+            ``server.sglang_args`` (one would silently replace the other), or a model folder without
+            the ``config.json`` keys the override needs.
+    """
+    if cfg.model.rope_scaling is None:
+        return None
+    if has_flag([*sglang_argv, *preset_words(cfg)], "--json-model-override-args"):
+        raise Refused("model.rope_scaling sets SGLang's --json-model-override-args, which the command line or "
+                      "server.sglang_args gives too; drop one of them")  # fmt: skip
+    try:
+        return rope_override_json(cfg.model, flag_value(sglang_argv, "--model-path") or model_path)
+    except ValueError as err:
         raise Refused(str(err)) from None
 
 
@@ -217,6 +238,7 @@ def prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | Non
     host, port = _port(sglang_argv, cfg)  # what build_sglang_argv passes: the flag, else the preset's
     _check_sglang_port(cfg, host, port)
     _metrics_socket(cfg).close()  # a taken metrics port too, before PyTorch; bound for good at the end
+    rope = _rope_override(cfg, sglang_argv, model_path)
     from dd_sglang.kvcache.params import HUGE_PAGES_ENV
     from dd_sglang.platform import PREPACK_ENV, ROW_BUCKETS_ENV
 
@@ -225,12 +247,13 @@ def prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | Non
             raise Refused(f"{switch} must be 0 or 1, got {os.environ[switch]!r}")
     # The dualdecoder refusals read flags the CPU platform never adds (--device, --dtype): they are
     # judged on the command line SGLang would get without them, still before PyTorch is imported.
-    _check_dualdecoder(build_sglang_argv(cfg, sglang_argv, model_path, cpu=False, served_name=served_name), cfg)
+    _check_dualdecoder(build_sglang_argv(cfg, sglang_argv, model_path, cpu=False, served_name=served_name,
+                                         rope_override=rope), cfg)  # fmt: skip
     from dd_sglang.platform import activate
 
     cpu = activate() is not None
     sglang_argv = with_cpu_dtype(sglang_argv, cpu, preset_words(cfg))
-    full_argv = build_sglang_argv(cfg, sglang_argv, model_path, cpu=cpu, served_name=served_name)
+    full_argv = build_sglang_argv(cfg, sglang_argv, model_path, cpu=cpu, served_name=served_name, rope_override=rope)
     try:
         ranks = parallel_ranks(full_argv)
     except ValueError as err:
