@@ -53,13 +53,14 @@ def apply_sets(preset: dict, sets: dict | None) -> dict:
 
 
 def preset_dict(hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None = None,
-                sets: dict | None = None) -> dict:  # fmt: skip
-    """The default CPU preset (``configs/cpu-smollm2.yaml``, unvalidated) as the benchmarks' servers run it:
+                sets: dict | None = None, base: str = "cpu-smollm2") -> dict:  # fmt: skip
+    """The default CPU preset (``configs/cpu-smollm2.yaml``, or ``configs/<base>.yaml``, unvalidated) as the
+    benchmarks' servers run it:
     ``prefetch.hit_rate_sample`` set (1.0: every step measured; None: the preset's),
     ``experimental.request_overrides: true`` (the benchmarks compare speculators and miss policies per
     request), optionally ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free
     memory), then ``sets``: dotted keys (``--set``, :func:`parse_sets`)."""
-    preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
+    preset = yaml.safe_load((ROOT / "configs" / f"{base}.yaml").read_text())
     if hit_rate_sample is not None:
         preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
     preset.setdefault("experimental", {})["request_overrides"] = True
@@ -69,11 +70,11 @@ def preset_dict(hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None
 
 
 def bench_preset(tmp: Path, hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None = None,
-                 sets: dict | None = None) -> Path:  # fmt: skip
+                 sets: dict | None = None, base: str = "cpu-smollm2") -> Path:  # fmt: skip
     """:func:`preset_dict` written to a YAML file under ``tmp``; its path (for ``--dd-config``)."""
-    preset = preset_dict(hit_rate_sample, host_tier_bytes, sets)
+    preset = preset_dict(hit_rate_sample, host_tier_bytes, sets, base)
     tag = "_".join(f"{k}-{v}" for k, v in sorted((sets or {}).items()))
-    path = tmp / f"preset_hit_rate_{hit_rate_sample}_{host_tier_bytes}_{tag}.yaml"
+    path = tmp / f"preset_{base}_hit_rate_{hit_rate_sample}_{host_tier_bytes}_{tag}.yaml"
     path.write_text(yaml.safe_dump(preset))
     return path
 

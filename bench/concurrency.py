@@ -90,12 +90,16 @@ CEILING_GOALS = {1: 0.9, 8: 0.8, 16: 0.8}
 SAME_POOL_GOALS = {8: 4.0, 16: 6.0}
 
 
-def measured_dtypes(path: Path = DTYPE_RESULT, here: dict | None = None) -> tuple[dict[str, str], str]:
+def measured_dtypes(path: Path | None = None, here: dict | None = None) -> tuple[dict[str, str], str]:
     """The dtype ``bench.dtype_cpu`` measured decoding faster on this host: ``({"long": ..., "short": ...},
     source)``, ``long`` at ~4k tokens (at its ``--batch`` where it ran one, else one request), ``short``
     at ~100 tokens; ``({}, why not)`` when ``path`` is missing or was measured on another host class or
-    with other ISA flags. ``here``: this host (:func:`bench.machine.host`; given by tests)."""
+    with other ISA flags. ``path``: default ``bench/results/dtype_<host class>.json`` where it exists, else
+    :data:`DTYPE_RESULT`. ``here``: this host (:func:`bench.machine.host`; given by tests)."""
     here = here or host()
+    if path is None:
+        own = DTYPE_RESULT.with_name(f"dtype_{here['host_class']}.json")
+        path = own if own.exists() else DTYPE_RESULT
     try:
         result = json.loads(path.read_text())
         ratio, machine = result["float32_over_bfloat16"], result["provenance"]["machine"]

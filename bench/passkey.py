@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -43,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=16384)
     ap.add_argument("--backends", default="torch_native", help="comma-separated --attention-backend values")
     ap.add_argument(
-        "--decode-tokens", type=int, default=4000, help="prompt length for the decode-speed probe"
+        "--decode-tokens", type=int, default=4000, help="prompt length for the decode-speed probe (0: no probe)"
     )
+    ap.add_argument("--server-args", action="append", default=[], metavar="LABEL=ARGS",
+                    help="run the grid once more per value on a server with these extra flags (shell words), "
+                         "e.g. 'yarn4=--context-length 32768 --json-model-override-args {...}'; with it, "
+                         "--backends names the one backend they run under")  # fmt: skip
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
@@ -56,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     runs = {}
     for backend in args.backends.split(","):
-        runs[backend] = run_backend(tok, backend, lengths, depths, args)
+        if not args.server_args:
+            runs[backend] = run_backend(tok, backend, lengths, depths, args)
+        for spec in args.server_args:
+            label, _, words = spec.partition("=")
+            runs[label] = run_backend(tok, backend, lengths, depths, args, shlex.split(words))
+            runs[label]["server_args"] = ["--attention-backend", backend, *shlex.split(words)]
     result = {
         "benchmark": "passkey retrieval and decode speed per attention backend (CPU)",
         "command": "python -m bench.passkey " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -90,10 +100,11 @@ def decode_speed(url: str, prompt: str, n_new: int = 64) -> float:
     return round((len(times) - 1) / (times[-1] - times[0]), 3)
 
 
-def run_backend(tok, backend: str, lengths: list[int], depths: list[float], args) -> dict:
-    """Start a server with ``--attention-backend backend``, run the passkey grid and the decode probe."""
+def run_backend(tok, backend: str, lengths: list[int], depths: list[float], args, extra: list[str] = ()) -> dict:
+    """Start a server with ``--attention-backend backend`` (and the flags ``extra``), run the passkey
+    grid and the decode probe."""
     log = Path(tempfile.mkdtemp(prefix="dd_bench_")) / "server.log"
-    srv = start_server(log, args.max_total_tokens, ["--attention-backend", backend])
+    srv = start_server(log, args.max_total_tokens, ["--attention-backend", backend, *extra])
     rows = []
     try:
         grid = [(n, d) for n in lengths for d in depths]
@@ -104,7 +115,7 @@ def run_backend(tok, backend: str, lengths: list[int], depths: list[float], args
             r = httpx.post(
                 f"{srv.url}/v1/completions",
                 json={"model": "x", "prompt": prompt, "max_tokens": 8, "temperature": 0},
-                timeout=600,
+                timeout=3600,
             ).json()
             text = r["choices"][0]["text"]
             rows.append(
@@ -119,8 +130,10 @@ def run_backend(tok, backend: str, lengths: list[int], depths: list[float], args
                     "latency_seconds": round(time.monotonic() - t0, 3),
                 }
             )
-        probe, probe_tokens = passkey_prompt(tok, args.decode_tokens, 0.5, 54321)
-        speed = decode_speed(srv.url, probe + " ")
+        probe_tokens = speed = None
+        if args.decode_tokens:
+            probe, probe_tokens = passkey_prompt(tok, args.decode_tokens, 0.5, 54321)
+            speed = decode_speed(srv.url, probe + " ")
     finally:
         rc, alive = srv.stop()
     return {

@@ -347,16 +347,19 @@ def _title(name: str, res: dict) -> str:
 
 def ruler_table(res: dict) -> str:
     """``bench.ruler``: per length and configuration, the share answered with its Wilson 95% interval and,
-    on the same samples, how many only it / only ``host_sync`` answered; then the floor tasks."""
-    rows = ["| length (tokens) | configuration | answered | 95% CI | only this / only host_sync |", "|---|---|---|---|---|"]
+    on the same samples, how many only it / only ``host_sync`` answered and only it / only ``dense``; then
+    the floor tasks."""
+    rows = ["| length (tokens) | configuration | answered | 95% CI | only this / only host_sync | only this / only dense |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
     for c in res["cells"]:
-        vs = c.get("vs_host_sync")
+        vs, vd = c.get("vs_host_sync"), c.get("vs_dense")
         paired = f"{vs['only_this']} / {vs['only_host_sync']}" if vs else "-"
+        dense = f"{vd['only_this']} / {vd['only_dense']}" if vd else "-"
         rows.append(f"| {c['length']:,} | {c['config']} | {c['right']}/{c['n']} = {c['score']:.2f} | "
-                    f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] | {paired} |")  # fmt: skip
+                    f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] | {paired} | {dense} |")  # fmt: skip
     for f in res.get("floor") or []:
         rows.append(f"| {f['length']:,} | {f['config']} ({f['task']}, floor) | {f['right']}/{f['n']} = {f['score']:.2f} | "
-                    f"[{f['ci95'][0]:.2f}, {f['ci95'][1]:.2f}] | - |")  # fmt: skip
+                    f"[{f['ci95'][0]:.2f}, {f['ci95'][1]:.2f}] | - | - |")  # fmt: skip
     return "\n".join(rows) + "\n"
 
 

@@ -57,8 +57,6 @@ TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2",
          "ruler_cwe", "ruler_fwe")  # fmt: skip
 #: Floor tasks run once, dense, at this length (``--floor``).
 FLOOR_TASKS, FLOOR_LENGTH = ("niah_multikey_2", "ruler_vt"), 4096
-#: The server's device KV pool (tokens): the preset's, room for two 7.5k dense requests.
-POOL_TOKENS = 16384
 
 
 class FanOutCompletions:
@@ -78,6 +76,8 @@ class FanOutCompletions:
 
         self.url, self.configs, self.max_tokens, self.concurrency = url, configs, max_tokens, concurrency
         self.answers: dict[tuple[str, str], str] = {}
+        #: The prompt tokens the server reported per (configuration, context): the prompt was not cut.
+        self.prompt_tokens: dict[tuple[str, str], int] = {}
         self.current = next(iter(configs))
         self.lm = type("DDFanOut", (LM,), {"generate_until": lambda lm, reqs, disable_tqdm=False: self.generate(reqs),
                                             "loglikelihood": _no_loglikelihood,
@@ -92,7 +92,9 @@ class FanOutCompletions:
             r = client.post(f"{self.url}/v1/completions", json=body, timeout=1800)
             if r.status_code != 200:
                 raise RuntimeError(f"{name}: HTTP {r.status_code}: {r.text[:300]}")
-            self.answers[(name, context)] = r.json()["choices"][0]["text"]
+            data = r.json()
+            self.answers[(name, context)] = data["choices"][0]["text"]
+            self.prompt_tokens[(name, context)] = data["usage"]["prompt_tokens"]
 
     def generate(self, requests) -> list[str]:
         """lm-eval's ``generate_until``: the texts of :attr:`current` for ``requests``."""
@@ -181,9 +183,10 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     return sorted(recs, key=lambda r: r["doc_id"])
 
 
-def summarize(recs: list[dict], reference: list[dict] | None) -> dict:
+def summarize(recs: list[dict], reference: list[dict] | None, dense: list[dict] | None = None) -> dict:
     """Share answered with its Wilson 95% interval and, against ``reference`` (the same samples under
-    ``host_sync``), how many samples only this configuration / only the reference answered."""
+    ``host_sync``), how many samples only this configuration / only the reference answered; the same
+    against ``dense`` (``vs_dense``: ``only_this``, ``only_dense``, ``paired``)."""
     from bench.stats import wilson
 
     right = sum(r["score"] >= 1.0 for r in recs)
@@ -196,6 +199,12 @@ def summarize(recs: list[dict], reference: list[dict] | None) -> dict:
         both = set(ref) & set(mine)
         out["vs_host_sync"] = {"only_this": sum(mine[d] and not ref[d] for d in both),
                                "only_host_sync": sum(ref[d] and not mine[d] for d in both), "paired": len(both)}  # fmt: skip
+    if dense is not None:
+        ref = {r["doc_id"]: r["score"] >= 1.0 for r in dense}
+        mine = {r["doc_id"]: r["score"] >= 1.0 for r in recs}
+        both = set(ref) & set(mine)
+        out["vs_dense"] = {"only_this": sum(mine[d] and not ref[d] for d in both),
+                           "only_dense": sum(ref[d] and not mine[d] for d in both), "paired": len(both)}  # fmt: skip
     return out
 
 
@@ -242,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", default="niah_single_1", help=f"RULER task generated offline: {', '.join(TASKS)}")
     ap.add_argument("--floor", action="store_true", help=f"also run {', '.join(FLOOR_TASKS)} once, dense, at {FLOOR_LENGTH}")
     ap.add_argument("--url", default=None, help="a running dualdecoder server (default: start one here)")
+    ap.add_argument("--preset", default="cpu-smollm2",
+                    help="the started server's preset in configs/ (cpu-smollm2-32k: lengths to 32,000; its "
+                         "pool is that preset's server.max_total_tokens)")  # fmt: skip
     ap.add_argument("--concurrency", type=int, default=4, help="lm-eval num_concurrent")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                     help="the started server's --dtype (default: the launcher's choice for this CPU); every "
@@ -257,8 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.lengths.split(",") if x]
     except ValueError:
         ap.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
-    if not lengths or any(not 256 <= n <= 8192 for n in lengths):
-        ap.error(f"--lengths must be in [256, 8192] (the embedded model's context), got {args.lengths!r}")
+    from dd_sglang.config import ConfigError, load_config
+
+    try:
+        preset = load_config(args.preset)
+    except ConfigError as err:
+        ap.error(f"--preset: {err}")
+    context = preset.server.context_length or 8192
+    if not lengths or any(not 256 <= n <= context for n in lengths):
+        ap.error(f"--lengths must be in [256, {context}] (the context of preset {args.preset}), got {args.lengths!r}")
     configs = [x for x in args.configs.split(",") if x]
     if not configs or any(c not in CONFIGS for c in configs):
         ap.error(f"--configs must name configurations of {list(CONFIGS)}, got {args.configs!r}")
@@ -281,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
 
             tmp = Path(tempfile.mkdtemp(prefix="dd_ruler_"))
             # The default preset, letting requests set dd_miss_policy (experimental.request_overrides).
-            flags = ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None)), *COMMON_FLAGS,
-                     *(["--dtype", args.dtype] if args.dtype else [])]  # fmt: skip
-            srv = start_server(tmp / "server.log", POOL_TOKENS, flags, timeout=900)
+            flags = ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None, base=args.preset)),
+                     *COMMON_FLAGS, *(["--dtype", args.dtype] if args.dtype else [])]  # fmt: skip
+            srv = start_server(tmp / "server.log", preset.server.max_total_tokens, flags, timeout=900)
             url, dtype = srv.url, srv.dtype
         cells, samples = [], {}
         lm = FanOutCompletions(url, {name: CONFIGS[name] for name in configs}, args.max_gen_toks, args.concurrency)
@@ -295,8 +314,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.task} {length} {name}: {sum(r['score'] >= 1 for r in per[name])}/{len(per[name])} "
                       f"({time.monotonic() - t1:.0f} s)", flush=True)  # fmt: skip
             for name in configs:
+                reported = [n for (c, _), n in lm.prompt_tokens.items() if c == name]
                 cells.append({"length": length, "config": name, "custom_params": CONFIGS[name],
-                              **summarize(per[name], per.get("host_sync") if name != "host_sync" else None)})  # fmt: skip
+                              "prompt_tokens_reported": [min(reported), max(reported)] if reported else None,
+                              **summarize(per[name], per.get("host_sync") if name != "host_sync" else None,
+                                          per.get("dense") if name != "dense" else None)})  # fmt: skip
+            lm.prompt_tokens.clear()
             samples[str(length)] = per
         floor = []
         if args.floor:
@@ -314,15 +337,16 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     from bench.client import write_result
 
-    result = {"benchmark": "ruler", "task": args.task, "samples": args.samples, "max_gen_toks": args.max_gen_toks,
+    result = {"benchmark": "ruler", "preset": args.preset, "task": args.task, "samples": args.samples, "max_gen_toks": args.max_gen_toks,
               "command": command, "dtype": dtype, "lm_eval": "0.4.13, greedy /v1/completions (bench.ruler.FanOutCompletions)",
               "seconds": round(time.monotonic() - t0, 1), "cells": cells, "floor": floor,
               "per_sample": samples}  # fmt: skip
     write_result(result, out)
     plot(result, Path(args.plot) if args.plot else out.with_suffix(".png"))
     for c in cells:
-        vs = c.get("vs_host_sync")
+        vs, vd = c.get("vs_host_sync"), c.get("vs_dense")
         extra = f", only this {vs['only_this']} / only host_sync {vs['only_host_sync']}" if vs else ""
+        extra += f", only this {vd['only_this']} / only dense {vd['only_dense']}" if vd else ""
         print(f"{c['length']:>5} {c['config']:<15} {c['right']}/{c['n']} = {c['score']:.2f} "
               f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]{extra}")  # fmt: skip
     return 0
