@@ -310,3 +310,21 @@ def test_concurrency_server_dtypes_say_where_each_came_from(monkeypatch):
     monkeypatch.setattr(bc, "measured_dtypes", lambda: ({}, "no measurement"))
     dtypes, source = bc.server_dtypes(bc.parse_args([]))
     assert set(dtypes.values()) == {None} and source == "no measurement; auto fell back to the launcher's choice"
+
+
+def test_context_goals_and_pool_by_hand():
+    """``bench.context``: the step growth reads the single-request cells' steady gaps (32k over 4k),
+    the speed-up the 32k cell's sparse over dense steady rate; the dense pool holds the largest cell."""
+    from bench.context import dense_pool, goals
+
+    def cell(n, length, dense_gap, sparse_gap):
+        runs = {name: {"steady_gap_seconds": g, "steady_decode_tokens_per_second": n / g}
+                for name, g in (("dense", dense_gap), ("sparse", sparse_gap))}  # fmt: skip
+        return {"requests": n, "target_tokens": length, "runs": runs, "sparse_over_dense": round(dense_gap / sparse_gap, 3)}
+
+    cells = [cell(1, 4000, 0.08, 0.07), cell(1, 32000, 0.64, 0.091), cell(8, 4000, 0.3, 0.1)]
+    g = goals(cells)
+    assert g["sparse_step_32000_over_4000"] == 1.3 and g["dense_step_32000_over_4000"] == 8.0
+    assert g["sparse_step_growth"] == {"goal": 1.25, "measured": 1.3, "met": False}
+    assert g["speedup_at_32000"] == {"goal": 8.0, "measured": 7.033, "met": False}
+    assert dense_pool([(1, 32000), (8, 16000)], 64) == 8 * (16000 + 64 + 256) + 512
