@@ -6,7 +6,7 @@ Usage::
                             [--batch 8] [--new-tokens 64] [--dense-dtype auto]
                             [--out bench/results/context_HOSTCLASS.json] [--plot PATH.png]
 
-Two servers up at once, both on the long-context preset ``cpu-smollm2-32k`` (YaRN x4 on the embedded
+Two servers up at once, both on the long-context preset ``cpu-smollm2-32k`` (dynamic NTK RoPE x4 on the embedded
 SmolLM2-135M: 32,768 positions; ``configs/cpu-smollm2-32k.yaml``), one after the other per cell:
 
 * ``dense``: SGLang's own ``torch_native`` attention, in the dtype that decodes fastest on this host

@@ -363,6 +363,42 @@ def ruler_table(res: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def context_table(res: dict) -> str:
+    """``bench.context``: per cell (requests x prompt tokens), dense and sparse steady decode tokens/s,
+    their ratio, the step a user sees (ms between two tokens of a request), the sparse step's phases
+    (ms, the backend's counters), pass keys found; then issue 54's goals."""
+    rows = ["| requests | prompt tokens | dense tok/s | sparse tok/s | sparse / dense | dense step ms | sparse step ms "
+            "| select | assemble | attention | rest | pass keys dense / sparse |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in res["cells"]:
+        d, sp = c["runs"]["dense"], c["runs"]["sparse"]
+        b = sp.get("breakdown") or {}
+        phase = {k: _num(1000 * b[k], 1) if k in b else "-" for k in ("select", "assemble", "attention", "rest")}
+        rows.append(f"| {c['requests']} | {max(c['prompt_tokens']):,} | {_num(d['steady_decode_tokens_per_second'])} | "
+                    f"{_num(sp['steady_decode_tokens_per_second'])} | {_num(c['sparse_over_dense'])}x | "
+                    f"{_num(1000 * d['steady_gap_seconds'], 1)} | {_num(1000 * sp['steady_gap_seconds'], 1)} | "
+                    f"{phase['select']} | {phase['assemble']} | {phase['attention']} | {phase['rest']} | "
+                    f"{d['found']}/{d['total']} / {sp['found']}/{sp['total']} |")  # fmt: skip
+    out = "\n".join(rows) + "\n"
+    g = res.get("goals") or {}
+    lines = [f"- {k}: measured {v['measured']}, goal {v['goal']}: {'met' if v['met'] else 'missed'}"
+             for k, v in g.items() if isinstance(v, dict)]  # fmt: skip
+    lines += [f"- {k}: {v}" for k, v in g.items() if not isinstance(v, dict)]
+    return out + ("\n" + "\n".join(lines) + "\n" if lines else "")
+
+
+def passkey_table(res: dict) -> str:
+    """``bench.passkey``: per server configuration (``--server-args`` label or backend) and prompt length,
+    pass keys found over prompts, with the prompt tokens the server reported."""
+    rows = ["| configuration | target tokens | prompt tokens | found |", "|---|---|---|---|"]
+    for name, run in res["backends"].items():
+        for n in sorted({r["target_tokens"] for r in run["rows"]}):
+            cell = [r for r in run["rows"] if r["target_tokens"] == n]
+            rows.append(f"| {name} | {n:,} | {max(r['prompt_tokens'] for r in cell):,} | "
+                        f"{sum(r['found'] for r in cell)}/{len(cell)} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 def recall_table(res: dict) -> str:
     """``bench.recall``: per context and regime, the prediction's recall (mean over requests, 95% CI),
     pooled, and the speculation's acceptance."""
@@ -448,6 +484,16 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
             png = Path(name).with_suffix(".png").name
             if (results / png).exists():
                 out += [f"![RULER {r['task']}](../bench/results/{png})", ""]
+        elif name.startswith("context"):
+            out += [f"Preset `{r['preset']}`, {r['new_tokens']} new tokens per request, greedy, streamed; dense "
+                    f"{r['servers']['dense']['dtype']} ({r['dtype_choice']}), pool "
+                    f"{r['servers']['dense']['device_kv_budget_tokens']:,} tokens; sparse {r['servers']['sparse']['dtype']}, "
+                    f"pool {r['servers']['sparse']['device_kv_budget_tokens']:,}:", "", context_table(r)]  # fmt: skip
+            png = Path(name).with_suffix(".png").name
+            if (results / png).exists():
+                out += [f"![decode cost against context length](../bench/results/{png})", ""]
+        elif name.startswith("passkey"):
+            out.append(passkey_table(r))
         elif name.startswith("select_recall"):
             out.append(select_recall_table(r))
         elif name.startswith("select_shapes"):

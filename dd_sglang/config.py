@@ -100,7 +100,8 @@ class ModelSection(_Strict):
         "``yarn`` (original context = the model's ``max_position_embeddings``), ``dynamic`` (NTK) or "
         "``linear``; passed to SGLang as ``--json-model-override-args`` built from the model folder's "
         "``config.json`` (its ``rope_theta`` kept). ``null``: the model's own RoPE. On the embedded "
-        "SmolLM2-135M, ``yarn`` is the one measured to keep finding a pass key past 8k (docs/quality.md); "
+        "SmolLM2-135M, ``dynamic`` x4 found the most pass keys at 16k and 32k (YaRN one fewer, linear none: "
+        "docs/quality.md); "
         "the model's quality there is its own.",
     )
     rope_factor: float = Field(
