@@ -28,6 +28,7 @@ from dataclasses import dataclass
 #: Hook modules, in registration order.
 MODULES = (
     "patches.managers_scheduler",
+    "patches.managers_tp_worker",
     "patches.managers_schedule_policy",
     "patches.managers_schedule_batch",
     "patches.layers_attention_attention_registry",

@@ -17,6 +17,12 @@
   it), and the check runs once more; a plan that makes the waiting request itself go sparse
   after its prefill counts only ``resident_bound`` for its generation.
 
+  A prompt longer than the device pool takes (:meth:`SparseRuntime.over_pool`) is admitted one chunk
+  at a time, each chunk prefilled through the host tier (:meth:`Offloader.offload_chunk`): it needs
+  its next chunk plus its resident bound (:meth:`SparseRuntime.over_pool_chunk`, which also holds
+  it back while the host tier cannot take its prompt), and the chunk limit SGLang then cuts the
+  prefill to is that chunk.
+
 Both read the runtime from the adder's own ``tree_cache`` (the ``dualdecoder`` radix cache holds it).
 """
 
@@ -44,6 +50,13 @@ def PrefillAdder__check_prefill_budget(original, self, req, *args, total_tokens,
     runtime = runtime_of(self.tree_cache)
     if runtime is None:
         return original(self, req, *args, total_tokens=total_tokens, **kwargs)
+    if runtime.over_pool(req):
+        chunk = runtime.over_pool_chunk(req, kwargs["extend_input_len"], kwargs.get("chunk_limit"),
+                                        getattr(self.memory_budget, "remaining_total", 0))  # fmt: skip
+        if chunk is None:
+            return False, None
+        total = chunk + runtime.params.resident_bound
+        return original(self, req, *args, total_tokens=total, **{**kwargs, "chunk_limit": chunk})
     max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
     cap = runtime.admission_new_tokens(req, max_new)
     if cap is not None:

@@ -11,6 +11,10 @@
   (``SparseRuntime.admission_may_reopen``; the admission hook,
   ``patches/managers_schedule_policy.py``, then offloads it). Then refresh the gauges
   (rate-limited by ``metrics.update_interval_s``).
+* ``Scheduler.init_req_max_new_tokens`` (AROUND): for a prompt longer than the device pool
+  (:meth:`SparseRuntime.over_pool`, prefilled through the host tier), SGLang's clip of
+  ``max_new_tokens`` to what the pool holds beside the whole prompt is undone: only the context
+  (``max_req_len``) bounds it.
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
   idle baseline after the last request.
 * ``Scheduler.maybe_sleep_on_idle`` (BEFORE): with ``--sleep-on-idle`` the
@@ -66,8 +70,23 @@ def Scheduler_maybe_sleep_on_idle(self, *args, **kwargs):
         refresh_scheduler_metrics(self, force=True)
 
 
+def Scheduler_init_req_max_new_tokens(original, self, req, *args, **kwargs):
+    from dd_sglang.kvcache.radix import runtime_of
+
+    asked = req.sampling_params.max_new_tokens
+    asked = 1 << 30 if asked is None else asked  # SGLang's own reading of "no limit"
+    result = original(self, req, *args, **kwargs)
+    runtime = runtime_of(getattr(self, "tree_cache", None))
+    if runtime is not None and runtime.over_pool(req) and not req.finished():
+        # SGLang clips the generation to what the pool holds beside the whole prompt (0 here); the
+        # request decodes sparsely from its resident set, so only the context bounds it.
+        req.sampling_params.max_new_tokens = max(0, min(asked, self.max_req_len - len(req.origin_input_ids) - 1))
+    return result
+
+
 HOOKS = [
     Hook(f"{_MODULE}.Scheduler.process_batch_result", Scheduler_process_batch_result, "AFTER"),
+    Hook(f"{_MODULE}.Scheduler.init_req_max_new_tokens", Scheduler_init_req_max_new_tokens, "AROUND"),
     Hook(f"{_MODULE}.Scheduler.on_idle", Scheduler_on_idle, "AFTER"),
     Hook(f"{_MODULE}.Scheduler.maybe_sleep_on_idle", Scheduler_maybe_sleep_on_idle, "BEFORE"),
 ]

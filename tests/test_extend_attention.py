@@ -196,3 +196,50 @@ def test_only_plain_causal_extends_are_taken_from_the_delegate():
     assert not skips_prefix_queries(_layer(attn_type=AttentionType.ENCODER_ONLY), fb)
     assert not skips_prefix_queries(_layer(), _batch([(3993, 1)], None, None, ForwardMode.MIXED))
     assert not skips_prefix_queries(_layer(), _batch([(0, 3994), (600, 10)], None, None))
+
+
+def test_a_chunk_after_a_prefix_in_the_host_tier_attends_it_exactly():
+    """A later chunk of a prompt prefilled through the host tier: positions ``[4, p)`` have no device
+    slot (its row points at padding slot 0) and their K/V are read from the host tier. The output and
+    pool writes equal SGLang's torch_native extend over the whole prefix on the device, bit for bit;
+    another request of the batch (device prefix) is unaffected."""
+    from dd_sglang.kvcache.dualpath import PathState
+
+    g = torch.Generator().manual_seed(5)
+    cases = [(3000, 700), (1024, 5)]
+    seqs = [p + e for p, e in cases]
+    total = sum(seqs) + 32
+    pool_k, pool_v = _pool(total, torch.bfloat16, g)
+    slots = torch.randperm(total - 1, generator=g) + 1  # slot 0 is SGLang's padding slot
+    r2t = torch.zeros(len(cases) + 1, max(seqs) + 4, dtype=torch.int32)
+    new_loc, at = [], 0
+    for i, (p, e) in enumerate(cases):
+        r2t[i + 1, : p + e] = slots[at : at + p + e].int()
+        new_loc.append(slots[at + p : at + p + e])
+        at += p + e
+    fb = _batch(cases, r2t, torch.cat(new_loc))
+    n_new = sum(e for _, e in cases)
+    q = torch.randn(n_new, HQ * D, generator=g).bfloat16()
+    k = torch.randn(n_new, HKV * D, generator=g).bfloat16()
+    v = torch.randn(n_new, HKV * D, generator=g).bfloat16()
+    ref, ref_pool, ours, ours_pool, _ = _backends(pool_k, pool_v, r2t)
+    ours.req_to_token = r2t.clone()  # its own row table: the reference keeps the whole prefix on the device
+    # Request 1's positions [4, 3000) move to a host tier (its own order: reversed slots) and leave the device.
+    p = cases[0][0]
+    dev_slots = r2t[1, 4:p].long()
+    host_slots = torch.arange(p - 4 - 1, -1, -1) + 4
+    hk = torch.zeros(p, HKV, D, dtype=torch.bfloat16)
+    hv = torch.zeros(p, HKV, D, dtype=torch.bfloat16)
+    hk[host_slots], hv[host_slots] = pool_k[dev_slots], pool_v[dev_slots]
+    ours.req_to_token[1, 4:p] = 0
+    ours_pool.k[0][dev_slots] = 0  # the freed slots now hold other data
+    all_host = torch.cat([torch.zeros(4, dtype=torch.int64), host_slots])
+    st = SimpleNamespace(released=True, path=SimpleNamespace(state=PathState.PREFILL_FULL), host_len=p,
+                         keep_pos=torch.arange(4), host_slots=all_host)  # fmt: skip
+    ours.runtime = SimpleNamespace(by_pool={1: st}, host=SimpleNamespace(gather=lambda layer, s: (hk[s], hv[s])))
+    layer = _layer()
+    want = ref.forward(q, k, v, layer, fb)
+    got = ours.forward(q, k, v, layer, fb)
+    assert torch.equal(got, want)
+    written = torch.cat(new_loc)
+    assert torch.equal(ours_pool.k[0][written], ref_pool.k[0][written])

@@ -65,3 +65,16 @@ def test_chunked_body_over_limit_is_413(limited):
     assert "(chunked)" in r.json()["message"]
     small = limited.post("/echo", content=iter([b"x" * 300, b"y" * 300]))
     assert small.json() == {"n": 600}
+
+
+def test_a_prompt_the_host_tier_cannot_hold_is_refused_naming_the_limit():
+    """With the pool no longer bounding a prompt (prefill through the host tier), the tier does:
+    ``host_tier_bytes // bytes_per_token`` tokens; SmolLM2 in bfloat16 has 30 x 2 x 3 x 64 x 2 =
+    23,040 bytes per token, so a 1 GiB tier holds 46,603."""
+    from dd_sglang.plugin.requests import check_host_tier_holds
+
+    per_token = 30 * 2 * 3 * 64 * 2
+    check_host_tier_holds(46_603, 2**30, per_token)
+    with pytest.raises(ValueError, match=r"input: the prompt has 46604 tokens; the host tier holds at most 46603 "
+                                         r"\(sparse.host_tier_bytes 1073741824 / 23040 bytes per token\)"):
+        check_host_tier_holds(46_604, 2**30, per_token)

@@ -607,3 +607,95 @@ def test_admission_reserves_only_the_resident_bound_for_a_request_that_will_go_s
     assert seen["total"] == 40 + 512 + 1
     hook(sglang, SimpleNamespace(tree_cache=None), req(100), total_tokens=613, **kw)
     assert seen["total"] == 613
+
+
+def chunked_prefill_through_the_host(prompt=500, chunk=150, abort_after=None):
+    """A prompt longer than the 400-slot pool, prefilled in ``chunk``-token chunks as SGLang runs them
+    (slots allocated, K/V written, committed, then ``after_extend``); the K/V written per position is
+    kept to check the host tier against. ``abort_after``: stop after that many chunks."""
+    p = params()
+    pool = FakePool()
+    alloc = FakeAllocator(pool)
+    r2t = torch.zeros(4, 1024, dtype=torch.int32)
+    rt = SparseRuntime(p, pool, alloc, r2t)
+    assert rt.pool_input_limit == SLOTS - 6
+    kv = SimpleNamespace(req_pool_idx=2, cache_protected_len=0, kv_committed_len=0, kv_allocated_len=0, holds_kv=True)
+    req = SimpleNamespace(rid="long", origin_input_ids=list(range(prompt)), output_ids=[], kv=kv, lock=None,
+                          skip_radix_cache_insert=False, extra_key=None, cache_salt=None, finished=lambda: False)  # fmt: skip
+    assert rt.over_pool(req)
+    written_k, written_v, tree = {}, {}, FakeTree()
+    for n, start in enumerate(range(0, prompt, chunk)):
+        if abort_after is not None and n == abort_after:
+            break
+        end = min(start + chunk, prompt)
+        slots = alloc.alloc(end - start)
+        assert slots is not None, "the pool must hold a chunk beside the sinks"
+        r2t[2, start:end] = slots.int()
+        for pos, slot in zip(range(start, end), slots.tolist(), strict=True):
+            written_k[pos] = [torch.randn(HKV, D) for _ in range(LAYERS)]
+            written_v[pos] = [torch.randn(HKV, D) for _ in range(LAYERS)]
+            for layer in range(LAYERS):
+                pool.k_buffer[layer][slot] = written_k[pos][layer]
+                pool.v_buffer[layer][slot] = written_v[pos][layer]
+        kv.kv_committed_len = kv.kv_allocated_len = end
+        if end == prompt:
+            req.output_ids.append(7)  # the last chunk samples the first token
+        rt.after_extend(SimpleNamespace(reqs=[req]), tree)
+        st = rt.requests["long"]
+        if end < prompt:  # a middle chunk: everything but the 4 sinks is on the host tier only
+            assert st.path.state is PathState.PREFILL_FULL and st.released and st.host_len == end
+            assert SLOTS - alloc.available_size() == 4 and st.device_tokens(end) == 4
+            assert (r2t[2, 4:end] == 0).all() and (r2t[2, :4] != 0).all() and req.skip_radix_cache_insert
+    return rt, pool, alloc, r2t, req, written_k, written_v
+
+
+def test_a_prompt_longer_than_the_pool_is_prefilled_through_the_host_tier_exactly():
+    """Each middle chunk moves to the host tier (bit for bit) and frees its slots, so the device never
+    holds more than a chunk plus the sinks; after the last chunk the request decodes sparsely from the
+    usual resident set (sinks, the n_keep largest key norms read from the host tier, the window)."""
+    rt, pool, alloc, r2t, req, wk, wv = chunked_prefill_through_the_host()
+    st = rt.requests["long"]
+    assert st.path.state is PathState.DECODE_SPARSE and st.host_len == 500
+    for layer in range(LAYERS):
+        hk, hv = rt.host.gather(layer, st.host_slots[:500])
+        assert torch.equal(hk, torch.stack([wk[p][layer] for p in range(500)]))
+        assert torch.equal(hv, torch.stack([wv[p][layer] for p in range(500)]))
+    norms = sum(torch.stack([wk[p][layer] for p in range(4, 484)]).norm(dim=-1).sum(-1) for layer in range(LAYERS))
+    keep = sorted((norms.topk(3).indices + 4).tolist())
+    assert st.keep_pos.tolist() == [0, 1, 2, 3, *keep] and st.win_start == 484
+    resident = [0, 1, 2, 3, *keep, *range(484, 500)]
+    row = r2t[2, :500].long()
+    for p in range(500):
+        if p in resident:
+            for layer in range(LAYERS):
+                assert torch.equal(pool.k_buffer[layer][row[p]], wk[p][layer])
+                assert torch.equal(pool.v_buffer[layer][row[p]], wv[p][layer])
+        else:
+            assert row[p] == 0
+    assert SLOTS - alloc.available_size() == len(resident)
+    assert rt.free_request_slots(req.kv, [(0, 500)])
+    rt.on_release(req)
+    assert alloc.available_size() == SLOTS
+
+
+def test_a_prompt_aborted_during_its_prefill_through_the_host_tier_leaves_both_tiers_at_baseline():
+    rt, pool, alloc, r2t, req, *_ = chunked_prefill_through_the_host(abort_after=2)
+    assert rt.host.used_bytes > 0
+    assert rt.free_request_slots(req.kv, [(0, req.kv.kv_committed_len)])  # SGLang's release_kv_cache
+    rt.on_release(req)
+    assert alloc.available_size() == SLOTS and rt.host.used_bytes == 0 and not rt.entries
+
+
+def test_the_admission_of_a_prompt_longer_than_the_pool_is_one_chunk_at_a_time():
+    """The next chunk is what the pool's remaining tokens hold beside the resident bound (whole pages),
+    at most SGLang's chunk limit; None (wait) when under a page or the host tier cannot hold the prompt."""
+    rt, *_ = setup()
+    req = SimpleNamespace(origin_input_ids=list(range(1000)), kv=SimpleNamespace(req_pool_idx=None))
+    bound = rt.params.resident_bound  # 4 + 3 + 16 + 8
+    assert rt.over_pool(req) and not rt.over_pool(SimpleNamespace(origin_input_ids=list(range(393))))
+    assert rt.over_pool_chunk(req, 1000, 4096, 400) == (400 - bound - 8) // 8 * 8
+    assert rt.over_pool_chunk(req, 1000, 64, 400) == 64
+    assert rt.over_pool_chunk(req, 30, 64, 400) == 30  # the last piece, whatever its size
+    assert rt.over_pool_chunk(req, 1000, 4096, bound + 8 + 7) is None
+    big = SimpleNamespace(origin_input_ids=list(range(2001)), kv=SimpleNamespace(req_pool_idx=None))
+    assert rt.over_pool_chunk(big, 2001, 64, 400) is None  # the 2,000-token host tier cannot hold it

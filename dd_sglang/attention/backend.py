@@ -43,7 +43,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from dd_sglang.attention.extend import extend_after_prefix, skips_prefix_queries
+from dd_sglang.attention.extend import extend_after_prefix, host_prefixes, skips_prefix_queries
 from dd_sglang.attention.step import BackendEvents, DecodeStep, finish_step
 from dd_sglang.kernels.dispatch import SparseAttention
 from dd_sglang.kernels.sparse_decode import dense_decode_attention
@@ -215,13 +215,15 @@ class DualDecoderAttnBackend(AttentionBackend):
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        if self._sub_batch_ok and skips_prefix_queries(layer, forward_batch):
-            return extend_after_prefix(self, q, k, v, layer, forward_batch, save_kv_cache)
+        hosted = host_prefixes(self, forward_batch)
+        if hosted is not None or (self._sub_batch_ok and skips_prefix_queries(layer, forward_batch)):
+            return extend_after_prefix(self, q, k, v, layer, forward_batch, save_kv_cache, hosted)
         return self.dense.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        if self._sub_batch_ok and skips_prefix_queries(layer, forward_batch):
-            return extend_after_prefix(self, q, k, v, layer, forward_batch, save_kv_cache)
+        hosted = host_prefixes(self, forward_batch)
+        if hosted is not None or (self._sub_batch_ok and skips_prefix_queries(layer, forward_batch)):
+            return extend_after_prefix(self, q, k, v, layer, forward_batch, save_kv_cache, hosted)
         return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

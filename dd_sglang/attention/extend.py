@@ -7,10 +7,15 @@ gives the same output bits from an aligned row on. The backend routes an extend 
 sliding windows, cross-attention, encoders, mixed or speculative modes, other delegates such as
 FlashInfer on CUDA) stays with the delegate. Skipped rows are counted in
 ``dd_extend_query_rows_skipped_total`` (per request and layer).
+
+A later chunk of a prompt longer than the device pool (prefilled through the host tier) is always
+routed here: its earlier positions have no device slot, so their K/V come from the host tier
+(:func:`host_prefixes`), an exact copy of what the pool held; the attention itself is the same.
 """
 
 from __future__ import annotations
 
+import torch
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -32,7 +37,39 @@ def skips_prefix_queries(layer, fb) -> bool:
     return bool(prefix and ext) and any(aligned_query_start(p, p + e) for p, e in zip(prefix, ext, strict=True))
 
 
-def extend_after_prefix(backend, q, k, v, layer, fb, save_kv_cache: bool):
+def host_prefixes(backend, fb) -> dict[int, object] | None:
+    """The requests of extend batch ``fb`` whose earlier chunks live in the host tier only (a prompt
+    longer than the device pool, prefilled through it: :meth:`Offloader.offload_chunk
+    <dd_sglang.kvcache.offload.Offloader.offload_chunk>`), by ``req_to_token`` row: their
+    :class:`~dd_sglang.kvcache.sparse_request.SparseRequest` (positions ``[n_sink, host_len)`` have
+    no device slot). None when there is none (the common case: one dict lookup per request)."""
+    rt = backend.runtime
+    if rt is None or not rt.by_pool or getattr(fb.forward_mode, "name", None) != "EXTEND":
+        return None
+    found = {}
+    for row in fb.req_pool_indices.tolist():
+        st = rt.by_pool.get(row)
+        if st is not None and st.released and st.path.state.name == "PREFILL_FULL" and st.host_len:
+            found[row] = st
+    return found or None
+
+
+def _sequence_kv(backend, layer, k_cache, v_cache, row: int, s: int, st) -> tuple:
+    """K and V of positions ``[0, s)`` of request row ``row``, ``[s, Hkv, D]`` each: from the device
+    pool, except ``[n_sink, host_len)`` of a request prefilled through the host tier (``st``), read
+    from the host tier (the same bits: :meth:`HostSparseKVPool.gather`)."""
+    tokens = backend.req_to_token[row, :s].long()
+    if st is None:
+        return k_cache[tokens], v_cache[tokens]
+    lo, hi = int(st.keep_pos.numel()), st.host_len
+    hk, hv = backend.runtime.host.gather(layer.layer_id, st.host_slots[lo:hi])
+    dev = k_cache.device
+    keys = torch.cat([k_cache[tokens[:lo]], hk.to(dev), k_cache[tokens[hi:]]])
+    values = torch.cat([v_cache[tokens[:lo]], hv.to(dev), v_cache[tokens[hi:]]])
+    return keys, values
+
+
+def extend_after_prefix(backend, q, k, v, layer, fb, save_kv_cache: bool, hosted: dict | None = None):
     """One layer of an extend batch, as ``torch_native``'s ``forward_extend`` computes it (same
     KV write, same output bits), each request's queries from its aligned row on.
 
@@ -43,6 +80,7 @@ def extend_after_prefix(backend, q, k, v, layer, fb, save_kv_cache: bool):
             batch's new tokens in request order, or None (nothing to write).
         layer: SGLang's ``RadixAttention``; fb: the ``ForwardBatch``.
         save_kv_cache: write ``k``/``v`` to the pool at ``fb.out_cache_loc`` first.
+        hosted: :func:`host_prefixes` of ``fb`` (requests whose prefix is read from the host tier).
 
     Returns:
         ``shape: [tokens, Hq x Dv]``, ``q.dtype``.
@@ -57,9 +95,8 @@ def extend_after_prefix(backend, q, k, v, layer, fb, save_kv_cache: bool):
     out = q3.new_empty((q3.shape[0], hq, dv))
     start = skipped = 0
     for row, p, e in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True):
-        tokens = backend.req_to_token[row, : p + e].long()
-        out[start : start + e] = prefix_extend_attention(q3[start : start + e], k_cache[tokens], v_cache[tokens],
-                                                         p, layer.scaling)  # fmt: skip
+        keys, values = _sequence_kv(backend, layer, k_cache, v_cache, row, p + e, (hosted or {}).get(row))
+        out[start : start + e] = prefix_extend_attention(q3[start : start + e], keys, values, p, layer.scaling)
         skipped += aligned_query_start(p, p + e)
         start += e
     backend.events.extend_rows_skipped(skipped)

@@ -100,16 +100,102 @@ class Offloader:
         self.host.backup_from_device_all_layer(self.device.pool, st.host_slots[start:end], dev)
 
     # ------------------------------------------------------------------ offload
-    def keep_positions(self, row: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """``n_keep`` positions in ``[lo, hi)`` with the largest key L2 norm summed over layers and heads."""
+    def keep_positions(self, row: torch.Tensor, lo: int, hi: int, st: SparseRequest | None = None,
+                       on_host: int = 0) -> torch.Tensor:  # fmt: skip
+        """``n_keep`` positions in ``[lo, hi)`` with the largest key L2 norm summed over layers and heads.
+
+        ``on_host``: positions below it have no device slot (a chunked prefill through the host tier);
+        then every key is read from ``st``'s host slots, which hold ``[0, hi)`` by now."""
         n = min(self.params.n_keep, max(hi - lo, 0))
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        slots = row[lo:hi].long()
         score = torch.zeros(hi - lo, dtype=torch.float32)
-        for k_buf in self.device.pool.k_buffer:
-            score += k_buf[slots].float().norm(dim=-1).sum(dim=-1).cpu()
+        if on_host:
+            for layer in range(self.host.layer_num):
+                score += self.host.gather(layer, st.host_slots[lo:hi])[0].float().norm(dim=-1).sum(dim=-1)
+        else:
+            slots = row[lo:hi].long()
+            for k_buf in self.device.pool.k_buffer:
+                score += k_buf[slots].float().norm(dim=-1).sum(dim=-1).cpu()
         return torch.sort(score.topk(n).indices + lo).values
+
+    def _restore_from_host(self, st: SparseRequest, row: torch.Tensor, pos: torch.Tensor, tree_cache) -> bool:
+        """Fresh device slots for the resident positions ``pos`` (``[n]`` int64) that only the host tier
+        holds, filled from it; ``row`` (a copy of the request's ``req_to_token`` row) updated in place.
+        False, nothing allocated, when the pool cannot give them."""
+        n = int(pos.numel())
+        if n == 0:
+            return True
+        fresh = self.device.alloc(n, tree_cache)
+        if fresh is None:
+            return False
+        for layer in range(self.host.layer_num):
+            self.host.load_to_device_per_layer(self.device.pool, st.host_slots[pos], fresh, layer)
+        row[pos] = fresh.to(row.dtype)
+        return True
+
+    def offload_chunk(self, req, st: SparseRequest, tree_cache) -> bool:
+        """After a middle chunk of a prompt longer than the device pool (chunked prefill through the host
+        tier): every position the request holds on the device goes to the host tier and its slots go
+        back to SGLang, so the device holds at most one chunk of it at a time.
+
+        Positions ``[st.host_len, E)`` (``E``: the KV computed so far, ``kv_committed_len``) are copied
+        to the host tier (every layer); request-owned slots are freed, the row points at SGLang's
+        padding slot 0 there, the request drops its tree lock and is never inserted into the radix tree
+        (``skip_radix_cache_insert``; a matched prefix stays the tree's evictable cache). The request
+        stays ``PREFILL_FULL``; it is entered by its row (``released``, window start ``E``), so the
+        ``dualdecoder`` extend reads ``[0, E)`` from the host tier
+        (:func:`dd_sglang.attention.extend.extend_after_prefix`) and a release frees only its device slots.
+
+        The sinks (``n_sink`` first positions) keep device slots from the first chunk on (copies of
+        their own when the tree owns them). The host slots for the whole prompt are taken at the first
+        chunk. Returns False, nothing changed, when the host tier cannot hold the prompt (or, at the
+        first chunk, the pool cannot give the sinks' copies).
+        """
+        kv = req.kv
+        pool_idx, end = kv.req_pool_idx, int(kv.kv_committed_len)
+        if not self.ensure_host_capacity(st, len(req.origin_input_ids)):
+            return False
+        row_view = self.device.req_to_token[pool_idx]
+        start = st.host_len
+        row = row_view[:end].clone()
+        self.copy_to_host(row, st, start, end)
+        st.host_len = end
+        self.tally.offloaded_tokens += end - start
+        cpl = int(kv.cache_protected_len)
+        first = start == 0
+        if first:  # the sinks stay resident from the first chunk on: the last one needs no slot for them
+            sink = min(self.params.n_sink, end)
+            st.keep_pos = torch.arange(sink, dtype=torch.int64)
+            n_tree = min(sink, cpl)  # tree-owned sinks: the request takes copies of its own (never inserted)
+            if n_tree:
+                fresh = self.device.alloc(n_tree, tree_cache)
+                if fresh is None:
+                    self.host.free(st.host_slots)
+                    st.host_slots, st.host_len, st.keep_pos = torch.empty(0, dtype=torch.int64), 0, st.keep_pos[:0]
+                    return False
+                src = row[:n_tree].long()
+                for k_buf, v_buf in zip(self.device.pool.k_buffer, self.device.pool.v_buffer, strict=True):
+                    k_buf[fresh] = k_buf[src]
+                    v_buf[fresh] = v_buf[src]
+                row[:n_tree] = fresh.to(row.dtype)
+                row_view[:n_tree] = row[:n_tree]
+            start = sink
+        gone = torch.arange(max(start, cpl), end, dtype=torch.int64)
+        if gone.numel():
+            self.device.free(row[gone])
+        row_view[start:end] = 0  # SGLang's padding slot
+        if req.lock is not None:
+            tree_cache.unlock(req.lock)
+            req.lock = None
+        kv.cache_protected_len = 0
+        req.skip_radix_cache_insert = True
+        st.pool_idx = pool_idx
+        st.win_start = end
+        st.released = True
+        self.table.by_pool[pool_idx] = st
+        self.tally.reclaimed_slots += int(gone.numel())
+        return True
 
     def offload(self, req, st: SparseRequest, tree_cache, reason: str = "length") -> bool:
         """PREFILL_FULL -> OFFLOADING -> DECODE_SPARSE for ``req`` (see the module docstring).
@@ -134,14 +220,23 @@ class Offloader:
             return False
         st.path.to(S.OFFLOADING)
         row = row_view[:L].clone()
-        self.copy_to_host(row, st, 0, L)
+        on_host = st.host_len  # > 0 after a chunked prefill through the host tier: [0, on_host) has no slot
+        self.copy_to_host(row, st, on_host, L)
         st.host_len = L
         n_sink = min(p.n_sink, L)
         w = max(n_sink, L - p.n_recent)
-        keep = torch.cat([torch.arange(n_sink, dtype=torch.int64), self.keep_positions(row, n_sink, w)])
+        keep = torch.cat([torch.arange(n_sink, dtype=torch.int64), self.keep_positions(row, n_sink, w, st, on_host)])
         resident = torch.cat([keep, torch.arange(w, L, dtype=torch.int64)])
         cpl = int(kv.cache_protected_len)
         tree_owned = resident[resident < cpl]
+        restored = resident[(resident < on_host) & (row[resident] == 0)]  # host-only (n_keep positions)
+        if not self._restore_from_host(st, row, restored, tree_cache):
+            logger.info("dualdecoder: no device slots for %d kept positions of %s; keeping none", restored.numel(),
+                        req.rid)  # fmt: skip
+            keep = keep[~torch.isin(keep, restored)]
+            resident = torch.cat([keep, torch.arange(w, L, dtype=torch.int64)])
+            restored = restored[:0]
+        row_view[restored] = row[restored]
         if not self._move_tree_owned(req, st, row, tree_owned, tree_cache):
             logger.info("dualdecoder: no device slots for the resident set, %s stays dense", req.rid)
             # Retried (after decode steps) only once the pool has more free slots than now.
@@ -151,15 +246,15 @@ class Offloader:
             st.path.to(S.DENSE)
             return False
         row_view[tree_owned] = row[tree_owned]
-        self._release_outside(req, row, row_view, resident, cpl, tree_cache)
+        self._release_outside(req, row, row_view, resident, max(cpl, on_host), tree_cache)
         st.pool_idx = pool_idx
         st.keep_pos = keep
         st.win_start = w
         st.released = True
         self.table.by_pool[pool_idx] = st
         self.table.kv_len[req.rid] = L
-        self.tally.offloaded_tokens += L
-        self.tally.reclaimed_slots += L - int(resident.numel())
+        self.tally.offloaded_tokens += L - on_host
+        self.tally.reclaimed_slots += (L - on_host) - int((resident >= on_host).sum())
         st.path.to(S.DECODE_SPARSE)
         if self.hooks.on_path_change is not None:
             self.hooks.on_path_change(reason)
@@ -169,8 +264,9 @@ class Offloader:
                          cpl: int, tree_cache) -> None:  # fmt: skip
         """Give up the device slots of ``req``'s ``L = len(row)`` positions outside ``resident``.
 
-        Request-owned slots (positions from ``cpl``, SGLang's ``cache_protected_len``) go back to
-        SGLang; their ``req_to_token`` entries (``row_view``) point at SGLang's padding slot 0. The
+        Request-owned slots (positions from ``cpl``: SGLang's ``cache_protected_len``, or the end of a
+        chunked prefill's host-only part, which has no slot) go back to SGLang; their ``req_to_token``
+        entries (``row_view``) point at SGLang's padding slot 0. The
         tree keeps its copy of the prompt as evictable cache: the request no longer pins it, and
         its row (now with holes) is never inserted into the tree.
         """

@@ -158,6 +158,9 @@ class SparseRuntime:
         device = DeviceSlots(device_pool, allocator, req_to_token)
         self.offloader = Offloader(params, device, self.prefixes, self.table, self.tally, self.hooks)
         self.pressure = PressureRelief(params, self.table, self.admission, self.offloader, self.tally, self.hooks)
+        #: Device pool size in tokens (SGLang's allocator): prompts from :meth:`pool_input_limit` on are
+        #: prefilled through the host tier.
+        self.pool_tokens = int(getattr(allocator, "size", 0) or 0)
 
     # ------------------------------------------------------------------ names kept from one class
     requests = property(lambda self: self.table.requests, doc="rid -> :class:`SparseRequest`.")
@@ -224,6 +227,35 @@ class SparseRuntime:
         """See :meth:`Admission.admission_new_tokens`."""
         return self.admission.admission_new_tokens(req, max_new)
 
+    @property
+    def pool_input_limit(self) -> int:
+        """Prompt tokens from which SGLang would refuse a request in this pool: its own
+        ``max_req_input_len`` for a pool of :attr:`pool_tokens` (``min(context, pool) - 1 - 5``,
+        ``sglang/srt/managers/tp_worker.py: get_worker_info``; the context bound left out)."""
+        return self.pool_tokens - 6
+
+    def over_pool(self, req) -> bool:
+        """Whether ``req``'s prompt is longer than the device pool takes (:attr:`pool_input_limit`):
+        it is prefilled chunk by chunk through the host tier (:meth:`Offloader.offload_chunk`) and
+        then decodes sparsely, whatever its policy."""
+        return self.pool_tokens > 0 and len(req.origin_input_ids) >= self.pool_input_limit
+
+    def over_pool_chunk(self, req, extend_input_len: int, chunk_limit: int | None, remaining: float) -> int | None:
+        """The next chunk (tokens) of an :meth:`over_pool` request that the pool's ``remaining`` tokens
+        (SGLang's ``PrefillBudget.remaining_total``) can take beside the request's resident bound, at
+        most ``chunk_limit`` (SGLang's chunk budget) and ``extend_input_len``; None (wait) when under
+        one page, or when the host tier (free plus finished entries) cannot hold the prompt yet."""
+        if req.kv.req_pool_idx is None:  # not started: the whole prompt must find host slots
+            free = self.host.available_size() + self.prefixes.tokens()
+            if free < len(req.origin_input_ids):
+                return None
+        page = self.params.page_size
+        room = int(remaining) - self.params.resident_bound - page
+        chunk = min(extend_input_len, chunk_limit if chunk_limit is not None else extend_input_len, room)
+        if chunk < extend_input_len:
+            chunk = chunk // page * page
+        return chunk if chunk >= min(page, extend_input_len) else None
+
     def alloc_device(self, n: int, tree_cache) -> torch.Tensor | None:
         """``n`` device slots (int64, a copy), evicting radix-tree cache first if needed; None if full."""
         return self.offloader.device.alloc(n, tree_cache)
@@ -256,13 +288,17 @@ class SparseRuntime:
             if st.path.state is S.REBUILD:
                 st.path.to(S.PREFILL_FULL)
             if len(req.output_ids) == 0:  # a middle prefill chunk
+                if self.over_pool(req) and st.path.state is S.PREFILL_FULL:
+                    if not self.offloader.offload_chunk(req, st, tree_cache):
+                        logger.warning("dualdecoder: the host tier cannot take %s's prompt (%d tokens); its chunk "
+                                       "stays on the device", req.rid, len(req.origin_input_ids))  # fmt: skip
                 continue
             table.kv_len[req.rid] = int(req.kv.kv_committed_len)
             if st.path.state is S.PREFILL_FULL:
                 kv_len = int(req.kv.kv_committed_len)
                 marked = req.rid in table.pressure_marked
                 table.pressure_marked.discard(req.rid)
-                if st.path.wants_sparse(kv_len):
+                if st.path.wants_sparse(kv_len) or st.host_len:  # host_len: prefilled through the host tier
                     self.offloader.offload(req, st, tree_cache)
                 elif marked and st.path.may_go_sparse(kv_len):  # admitted as a sparse one (pressure)
                     self.pressure.offload(req, tree_cache, "admission")
@@ -319,11 +355,17 @@ class SparseRuntime:
         """SGLang released the request's row (finished, aborted or retracted).
 
         A released sparse request's host pages become a host prefix entry keyed by
-        its token ids; the request's state is dropped and its path ends ``FINISHED``.
+        its token ids (those of one released during a prefill through the host tier are freed);
+        the request's state is dropped and its path ends ``FINISHED``.
         """
         st = self.table.drop(req.rid)
         if st is None:
             return
+        if st.path.state is S.PREFILL_FULL and st.host_slots.numel():
+            # Released mid-way through a prefill through the host tier (aborted): its pages are freed,
+            # not kept as a prefix entry, so both tiers are back where they were before it.
+            self.host.free(st.host_slots)
+            st.host_slots, st.host_len = torch.empty(0, dtype=torch.int64), 0
         if st.host_slots.numel():
             ids = list(req.origin_input_ids) + list(req.output_ids)
             self.prefixes.keep(ids, st.host_slots, st.host_len, (req.extra_key, req.cache_salt))

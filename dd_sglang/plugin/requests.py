@@ -57,3 +57,28 @@ def check_parallel_samples(n) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PARALLEL_SAMPLES:
         raise ValueError(f"n must be an integer in [1, {MAX_PARALLEL_SAMPLES}], got {n!r}")
+
+
+def check_host_tier_holds(n_tokens: int, host_tier_bytes: int, bytes_per_token: int) -> None:
+    """Refuse a prompt of ``n_tokens`` that the ``dualdecoder`` host tier could never hold whole.
+
+    A prompt longer than the device pool is prefilled through the host tier
+    (``patches/managers_tp_worker.py`` lifts SGLang's pool bound), so the tier, not the pool,
+    bounds it: ``host_tier_bytes // bytes_per_token`` tokens (the tier's whole capacity, before
+    other requests' share; a request that fits it waits for room).
+
+    Args:
+        n_tokens: the prompt's tokens.
+        host_tier_bytes: ``sparse.host_tier_bytes``.
+        bytes_per_token: K and V of one token over every layer (``layers x 2 x kv_heads x
+            head_dim x itemsize``).
+
+    Raises:
+        ValueError: naming ``sparse.host_tier_bytes`` and the tokens it holds; SGLang answers HTTP 400.
+    """
+    capacity = host_tier_bytes // max(bytes_per_token, 1)
+    if n_tokens > capacity:
+        raise ValueError(
+            f"input: the prompt has {n_tokens} tokens; the host tier holds at most {capacity} "
+            f"(sparse.host_tier_bytes {host_tier_bytes} / {bytes_per_token} bytes per token)"
+        )
