@@ -17,7 +17,9 @@ up together:
 
 Each answers the long passkey prompt greedily (``--new-tokens``); recorded: the text and token ids of
 both, whether each found the pass key, how many leading tokens agree, the sparse server's peak device
-KV in use (sidecar, sampled every 0.25 s) against its pool, the side requests' pass keys, latencies.
+KV held (``peak_device_kv_in_use_bytes``: the sidecar's gauge, refreshed after each batch and sampled
+every 0.25 s, so what is held between batches, not inside one) against its pool, the side requests'
+pass keys, latencies.
 Issue 54's check: the pass key found by both, or the first 16 tokens equal. JSON with provenance.
 """
 

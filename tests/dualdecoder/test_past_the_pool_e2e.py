@@ -46,7 +46,8 @@ def generate(srv, ids: list[int], n: int, custom: dict | None = None) -> list[in
 
 
 class PeakDeviceUse:
-    """Polls the sidecar while a request runs: the most device KV bytes in use at once."""
+    """Polls the sidecar while a request runs: the most device KV bytes held (not evictable) as the
+    gauge shows them, i.e. between batches (it is refreshed after each one)."""
 
     def __init__(self, srv):
         self.srv, self.peak, self._stop = srv, 0.0, threading.Event()
@@ -70,9 +71,9 @@ class PeakDeviceUse:
 def test_a_prompt_longer_than_the_pool_answers_as_dense_with_room_does(dd_server, server, long_prompt, tokenizer):
     """At ``dd_top_k`` covering the whole context the sparse row attends every token, so the greedy
     tokens equal the dense server's only if every chunk's prefill attended its host-tier prefix
-    exactly; at the default ``top_k`` 256 the pass key is still found. While it runs the device
-    never holds more than one chunk plus the resident set of this request, and afterwards both tiers
-    are back at baseline."""
+    exactly; at the default ``top_k`` 256 the pass key is still found. Between batches the device
+    holds no more than the request's resident set (each chunk's slots went back after its batch),
+    and afterwards both tiers are back at baseline."""
     ids = long_prompt[1]
     dense = generate(server, ids, 16)
     assert str(PASSKEY) in tokenizer.decode(dense)
@@ -82,7 +83,7 @@ def test_a_prompt_longer_than_the_pool_answers_as_dense_with_room_does(dd_server
         full = generate(dd_server, ids, 16, {"dd_top_k": 8192})
     assert full == dense
     row = 3 * 64 * 2 * dd_server.kv_itemsize * 30  # one token's K and V over SmolLM2's 30 layers
-    assert peak.peak <= (4096 + RESIDENT_BOUND) * row
+    assert 0 < peak.peak <= RESIDENT_BOUND * row
     sparse = generate(dd_server, ids, 16)
     assert re.match(rf"\s*{PASSKEY}\b", tokenizer.decode(sparse)), tokenizer.decode(sparse)
     after = wait_idle(dd_server)
