@@ -130,6 +130,19 @@ def stop_backend(spec: str, srv, log: Path) -> dict:
     return {"exit_code": rc, "processes_left": alive}
 
 
+def stop_backends(servers: dict, logs: dict[str, Path]) -> dict[str, dict]:
+    """Stop every server of ``servers`` (name -> server; ``logs``: name -> its log path) with
+    :func:`stop_backend`, each even if another's stop raised; name -> its shutdown record (or
+    ``{"error": ...}``)."""
+    out = {}
+    for name, srv in servers.items():
+        try:
+            out[name] = stop_backend(name, srv, logs[name])
+        except Exception as err:  # noqa: BLE001 - recorded; the next server is still stopped
+            out[name] = {"error": repr(err)}
+    return out
+
+
 def room_budget(prompts: list[tuple[str, int, int]], new_tokens: int) -> int:
     """Device pool (tokens) with room for every request densely: prompts + new tokens + 512."""
     return sum(n for _, n, _ in prompts) + len(prompts) * new_tokens + 512

@@ -59,7 +59,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.capacity import launch_backend, room_budget, run_round, stop_backend
+from bench.capacity import launch_backend, room_budget, run_round, stop_backends
 from bench.client import check_ranges, n_layers_of_model, write_result
 from bench.decode_speed import breakdown
 from bench.machine import command_line, describe, host, machine_state, provenance, summary
@@ -333,11 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[n].update(run_level(n, servers, prompts[n], order, args))
                 orders[n] += order
         finally:
-            for name, (srv, log) in servers.items():  # each stopped even if another's stop raised
-                try:
-                    shutdowns[name] = stop_backend(name, srv, log)
-                except Exception as err:  # noqa: BLE001 - recorded; the next server is still stopped
-                    shutdowns[name] = {"error": repr(err)}
+            shutdowns.update(stop_backends({n: srv for n, (srv, _) in servers.items()},
+                                           {n: log for n, (_, log) in servers.items()}))  # fmt: skip
     levels = [{"requests": n, "order": orders[n], "runs": runs[n], "ratios": level_ratios(runs[n])}
               for n in args.level_list]  # fmt: skip
     for lv in levels:

@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.capacity import run_round, stop_backend
+from bench.capacity import run_round, stop_backends
 from bench.client import check_ranges, n_layers_of_model, write_result
 from bench.concurrency import _sparse_phases, level_prompts, measured_dtypes
 from bench.machine import command_line, describe, host, machine_state, provenance, summary
@@ -217,11 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             order = ["dense", "sparse"] if i % 2 == 0 else ["sparse", "dense"]
             cells.append(run_cell(servers, r, n, prompts[(r, n)], order, args))
     finally:
-        for name, srv in servers.items():
-            try:
-                shutdowns[name] = stop_backend(name, srv, logs[name])
-            except Exception as err:  # noqa: BLE001 - recorded; the other server is still stopped
-                shutdowns[name] = {"error": repr(err)}
+        shutdowns = stop_backends(servers, logs)
     result = {
         "benchmark": "decode cost against context length: dense SGLang and the sparse path (CPU)",
         "command": command,

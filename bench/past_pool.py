@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.capacity import stop_backend
+from bench.capacity import stop_backends
 from bench.client import check_ranges, write_result
 from bench.machine import command_line, host
 from bench.prompts import passkey_prompt
@@ -128,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                       "first_16_tokens_equal": agree >= 16},
         }  # fmt: skip
     finally:
-        for name, srv in servers.items():
-            try:
-                result.setdefault("shutdown", {})[name] = stop_backend(name, srv, logs[name])
-            except Exception as err:  # noqa: BLE001 - recorded; the other server is still stopped
-                result.setdefault("shutdown", {})[name] = {"error": repr(err)}
+        result["shutdown"] = stop_backends(servers, logs)
     out = Path(args.out or f"bench/results/past_pool_{host()['host_class']}.json")
     write_result(result, out)
     print(result.get("check"), file=sys.stderr)

@@ -183,6 +183,16 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     return sorted(recs, key=lambda r: r["doc_id"])
 
 
+def _paired(recs: list[dict], other: list[dict], only_other: str) -> dict:
+    """On the samples both ``recs`` and ``other`` hold: how many only ``recs`` answered (``only_this``),
+    only ``other`` (key ``only_other``), and how many were paired."""
+    ref = {r["doc_id"]: r["score"] >= 1.0 for r in other}
+    mine = {r["doc_id"]: r["score"] >= 1.0 for r in recs}
+    both = set(ref) & set(mine)
+    return {"only_this": sum(mine[d] and not ref[d] for d in both),
+            only_other: sum(ref[d] and not mine[d] for d in both), "paired": len(both)}  # fmt: skip
+
+
 def summarize(recs: list[dict], reference: list[dict] | None, dense: list[dict] | None = None) -> dict:
     """Share answered with its Wilson 95% interval and, against ``reference`` (the same samples under
     ``host_sync``), how many samples only this configuration / only the reference answered; the same
@@ -194,17 +204,9 @@ def summarize(recs: list[dict], reference: list[dict] | None, dense: list[dict] 
     out = {"n": len(recs), "right": right, "score": right / len(recs), "ci95": [round(lo, 4), round(hi, 4)],
            "mean_score": sum(r["score"] for r in recs) / len(recs)}  # fmt: skip
     if reference is not None:
-        ref = {r["doc_id"]: r["score"] >= 1.0 for r in reference}
-        mine = {r["doc_id"]: r["score"] >= 1.0 for r in recs}
-        both = set(ref) & set(mine)
-        out["vs_host_sync"] = {"only_this": sum(mine[d] and not ref[d] for d in both),
-                               "only_host_sync": sum(ref[d] and not mine[d] for d in both), "paired": len(both)}  # fmt: skip
+        out["vs_host_sync"] = _paired(recs, reference, "only_host_sync")
     if dense is not None:
-        ref = {r["doc_id"]: r["score"] >= 1.0 for r in dense}
-        mine = {r["doc_id"]: r["score"] >= 1.0 for r in recs}
-        both = set(ref) & set(mine)
-        out["vs_dense"] = {"only_this": sum(mine[d] and not ref[d] for d in both),
-                           "only_dense": sum(ref[d] and not mine[d] for d in both), "paired": len(both)}  # fmt: skip
+        out["vs_dense"] = _paired(recs, dense, "only_dense")
     return out
 
 

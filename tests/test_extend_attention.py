@@ -157,27 +157,34 @@ def _backends(pool_k, pool_v, r2t):
     return ref, ref_pool, ours, ours_pool, events
 
 
-@pytest.mark.parametrize("cases", [[(3993, 1), (1024, 5), (0, 300), (3000, 700)], [(0, 900), (200, 100)]])
-def test_the_backends_extend_is_torch_natives_with_fewer_query_rows(cases):
-    """A mixed extend batch through ``DualDecoderAttnBackend.forward`` and through SGLang's own
-    ``TorchNativeAttnBackend.forward``: the same output and KV-pool writes, bit for bit (bfloat16); the
-    skipped query rows are counted. A batch with nothing to skip goes to the delegate untouched."""
-    g = torch.Generator().manual_seed(11)
+def _extend_case(cases, seed: int):
+    """A bfloat16 pool and an extend batch of ``cases`` (``(prefix, new)`` per request, rows 1..n) at
+    random slots (never SGLang's padding slot 0): ``(pool_k, pool_v, req_to_token, batch, new slots per
+    request, q, k, v)``."""
+    g = torch.Generator().manual_seed(seed)
     seqs = [p + e for p, e in cases]
     total = sum(seqs) + 32
     pool_k, pool_v = _pool(total, torch.bfloat16, g)
-    slots = torch.randperm(total, generator=g)
+    slots = torch.randperm(total - 1, generator=g) + 1
     r2t = torch.zeros(len(cases) + 1, max(seqs) + 4, dtype=torch.int32)
     new_loc, at = [], 0
     for i, (p, e) in enumerate(cases):
         r2t[i + 1, : p + e] = slots[at : at + p + e].int()
         new_loc.append(slots[at + p : at + p + e])
         at += p + e
-    fb = _batch(cases, r2t, torch.cat(new_loc))
     n_new = sum(e for _, e in cases)
     q = torch.randn(n_new, HQ * D, generator=g).bfloat16()
     k = torch.randn(n_new, HKV * D, generator=g).bfloat16()
     v = torch.randn(n_new, HKV * D, generator=g).bfloat16()
+    return pool_k, pool_v, r2t, _batch(cases, r2t, torch.cat(new_loc)), new_loc, q, k, v
+
+
+@pytest.mark.parametrize("cases", [[(3993, 1), (1024, 5), (0, 300), (3000, 700)], [(0, 900), (200, 100)]])
+def test_the_backends_extend_is_torch_natives_with_fewer_query_rows(cases):
+    """A mixed extend batch through ``DualDecoderAttnBackend.forward`` and through SGLang's own
+    ``TorchNativeAttnBackend.forward``: the same output and KV-pool writes, bit for bit (bfloat16); the
+    skipped query rows are counted. A batch with nothing to skip goes to the delegate untouched."""
+    pool_k, pool_v, r2t, fb, new_loc, q, k, v = _extend_case(cases, 11)
     ref, ref_pool, ours, ours_pool, events = _backends(pool_k, pool_v, r2t)
     layer = _layer()
     want = ref.forward(q, k, v, layer, fb)
@@ -205,23 +212,8 @@ def test_a_chunk_after_a_prefix_in_the_host_tier_attends_it_exactly():
     another request of the batch (device prefix) is unaffected."""
     from dd_sglang.kvcache.dualpath import PathState
 
-    g = torch.Generator().manual_seed(5)
     cases = [(3000, 700), (1024, 5)]
-    seqs = [p + e for p, e in cases]
-    total = sum(seqs) + 32
-    pool_k, pool_v = _pool(total, torch.bfloat16, g)
-    slots = torch.randperm(total - 1, generator=g) + 1  # slot 0 is SGLang's padding slot
-    r2t = torch.zeros(len(cases) + 1, max(seqs) + 4, dtype=torch.int32)
-    new_loc, at = [], 0
-    for i, (p, e) in enumerate(cases):
-        r2t[i + 1, : p + e] = slots[at : at + p + e].int()
-        new_loc.append(slots[at + p : at + p + e])
-        at += p + e
-    fb = _batch(cases, r2t, torch.cat(new_loc))
-    n_new = sum(e for _, e in cases)
-    q = torch.randn(n_new, HQ * D, generator=g).bfloat16()
-    k = torch.randn(n_new, HKV * D, generator=g).bfloat16()
-    v = torch.randn(n_new, HKV * D, generator=g).bfloat16()
+    pool_k, pool_v, r2t, fb, new_loc, q, k, v = _extend_case(cases, 5)
     ref, ref_pool, ours, ours_pool, _ = _backends(pool_k, pool_v, r2t)
     ours.req_to_token = r2t.clone()  # its own row table: the reference keeps the whole prefix on the device
     # Request 1's positions [4, 3000) move to a host tier (its own order: reversed slots) and leave the device.
