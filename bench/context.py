@@ -101,7 +101,7 @@ def run_cell(servers: dict, requests: int, length: int, prompts, order: list[str
         run.pop("latency_seconds", None)
         if name == "sparse":
             b = _sparse_phases(before, scrape(srv.metrics_url), args.layers)
-            run["breakdown"] = {k: b[k] for k in (*PHASES, "steps", "rows_per_step") if k in b}
+            run["breakdown"] = {k: b[k] for k in (*PHASES, "steps") if k in b}
         out[name] = run
         print(f"{requests} x {length}: {name} {run['found']}/{run['total']} found, decode "
               f"{run['decode_tokens_per_second']} tok/s, steady gap {run['steady_gap_seconds']} s",
