@@ -699,3 +699,22 @@ def test_the_admission_of_a_prompt_longer_than_the_pool_is_one_chunk_at_a_time()
     assert rt.over_pool_chunk(req, 1000, 4096, bound + 8 + 7) is None
     big = SimpleNamespace(origin_input_ids=list(range(2001)), kv=SimpleNamespace(req_pool_idx=None))
     assert rt.over_pool_chunk(big, 2001, 64, 400) is None  # the 2,000-token host tier cannot hold it
+
+
+def test_a_prompt_past_the_pool_goes_through_the_host_tier_even_when_it_asked_to_stay_dense():
+    """The tokenizer refuses ``dd_sparse: false`` past the pool it knows; if one reaches the scheduler
+    anyway (a pool SGLang profiled smaller than the flag), its chunks still leave the device."""
+    p = params()
+    pool = FakePool()
+    alloc = FakeAllocator(pool)
+    r2t = torch.zeros(4, 1024, dtype=torch.int32)
+    rt = SparseRuntime(p, pool, alloc, r2t)
+    kv = SimpleNamespace(req_pool_idx=2, cache_protected_len=0, kv_committed_len=150, kv_allocated_len=150, holds_kv=True)
+    req = SimpleNamespace(rid="d", origin_input_ids=list(range(500)), output_ids=[], kv=kv, lock=None,
+                          skip_radix_cache_insert=False, extra_key=None, cache_salt=None, finished=lambda: False,
+                          sampling_params=SimpleNamespace(custom_params={"dd_sparse": False}))  # fmt: skip
+    r2t[2, :150] = alloc.alloc(150).int()
+    rt.after_extend(SimpleNamespace(reqs=[req]), FakeTree())
+    st = rt.requests["d"]
+    assert st.path.history == [PathState.DENSE, PathState.PREFILL_FULL] and st.host_len == 150
+    assert SLOTS - alloc.available_size() == 4

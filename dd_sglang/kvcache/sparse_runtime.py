@@ -288,7 +288,9 @@ class SparseRuntime:
             if st.path.state is S.REBUILD:
                 st.path.to(S.PREFILL_FULL)
             if len(req.output_ids) == 0:  # a middle prefill chunk
-                if self.over_pool(req) and st.path.state is S.PREFILL_FULL:
+                if self.over_pool(req) and st.path.state in (S.PREFILL_FULL, S.DENSE):
+                    if st.path.state is S.DENSE:  # dd_sparse false: the pool cannot keep it dense anyway
+                        st.path.to(S.PREFILL_FULL)
                     if not self.offloader.offload_chunk(req, st, tree_cache):
                         logger.warning("dualdecoder: the host tier cannot take %s's prompt (%d tokens); its chunk "
                                        "stays on the device", req.rid, len(req.origin_input_ids))  # fmt: skip
