@@ -488,7 +488,10 @@ def benchmarks_page(results: Path = RESULTS, plots: Path | None = None) -> str:
             out += [f"Preset `{r['preset']}`, {r['new_tokens']} new tokens per request, greedy, streamed; dense "
                     f"{r['servers']['dense']['dtype']} ({r['dtype_choice']}), pool "
                     f"{r['servers']['dense']['device_kv_budget_tokens']:,} tokens; sparse {r['servers']['sparse']['dtype']}, "
-                    f"pool {r['servers']['sparse']['device_kv_budget_tokens']:,}:", "", context_table(r)]  # fmt: skip
+                    f"pool {r['servers']['sparse']['device_kv_budget_tokens']:,}. Step ms: the median time between two "
+                    "tokens of a request while the most requests decode (what a user sees); select ... rest: the "
+                    "sparse backend's mean decode step by phase from its own counters (ms; their sum, the "
+                    "backend's step, differs from the median gap):", "", context_table(r)]  # fmt: skip
             png = Path(name).with_suffix(".png").name
             if (results / png).exists():
                 out += [f"![decode cost against context length](../bench/results/{png})", ""]
