@@ -27,19 +27,23 @@ def TokenizerManager__validate_one_request(original, self, obj, input_ids, *args
     check_prompt_tokens(input_ids, self.model_config.vocab_size)
     result = original(self, obj, input_ids, *args, **kwargs)  # SGLang's own limits (the context) first
     pool = getattr(self.server_args, "max_total_tokens", None)
-    past_pool = bool(input_ids) and bool(pool) and len(input_ids) >= pool - 6  # prefilled through the host tier
-    if past_pool and getattr(self.server_args, "radix_cache_backend", None) == "dualdecoder":
-        from dd_sglang.plugin.runtime import current_config
+    if not input_ids or not pool or getattr(self.server_args, "radix_cache_backend", None) != "dualdecoder":
+        return result
+    from dd_sglang.kvcache.params import kv_bytes_per_token, sglang_input_limits
 
-        mc = self.model_config
-        itemsize = mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 2
-        per_token = mc.num_hidden_layers * 2 * mc.get_total_num_kv_heads() * mc.head_dim * itemsize
-        check_host_tier_holds(len(input_ids), current_config().sparse.host_tier_bytes, per_token)
-        sampling = getattr(obj, "sampling_params", None)  # one request's dict (the OpenAI routes build it too)
-        custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
-        if isinstance(custom, dict) and custom.get("dd_sparse") is False:
-            raise ValueError(f"custom_params.dd_sparse: false keeps the whole prompt on the device, whose pool "
-                             f"takes prompts below {pool - 6} tokens; this one has {len(input_ids)}")  # fmt: skip
+    limit = sglang_input_limits(pool)[1]
+    if len(input_ids) < limit:
+        return result  # the pool takes it: served as before
+    from dd_sglang.plugin.runtime import current_config
+
+    mc = self.model_config  # past the pool: prefilled through the host tier, which must hold it
+    per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.get_total_num_kv_heads(), mc.head_dim, mc.dtype.itemsize)
+    check_host_tier_holds(len(input_ids), current_config().sparse.host_tier_bytes, per_token)
+    sampling = getattr(obj, "sampling_params", None)  # one request's dict (the OpenAI routes build it too)
+    custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    if isinstance(custom, dict) and custom.get("dd_sparse") is False:
+        raise ValueError(f"custom_params.dd_sparse: false keeps the whole prompt on the device, whose pool "
+                         f"takes prompts below {limit} tokens; this one has {len(input_ids)}")  # fmt: skip
     return result
 
 

@@ -25,10 +25,12 @@ def TpModelWorker_get_worker_info(result, self, *args, **kwargs):
         return result
     if (server_args.chunked_prefill_size or -1) <= 0:
         return result  # no chunks: a prompt must fit the pool whole
-    context = int(self.model_config.context_len)
+    from dd_sglang.kvcache.params import sglang_input_limits
+
+    max_req_len, max_req_input_len = sglang_input_limits(int(self.model_config.context_len))
     info = list(result)
-    info[MAX_REQ_LEN_AT] = max(info[MAX_REQ_LEN_AT], context - 1)
-    info[MAX_REQ_INPUT_LEN_AT] = max(info[MAX_REQ_INPUT_LEN_AT], context - 6)
+    info[MAX_REQ_LEN_AT] = max(info[MAX_REQ_LEN_AT], max_req_len)
+    info[MAX_REQ_INPUT_LEN_AT] = max(info[MAX_REQ_INPUT_LEN_AT], max_req_input_len)
     return tuple(info)
 
 

@@ -116,15 +116,20 @@ def test_two_level_sets_equal_the_brute_force(pages):
     assert _agree(got, ref) == 1.0
 
 
+def _cuts_nothing(lens: list[int], seed: int, budget: int) -> None:
+    """A first level of ``budget`` tokens (k 32, rerank 2) that must cut nothing: the sets equal the full
+    scan's (the kernel without a first level) and the brute force's."""
+    keys, idx, rows, slots = _tier(lens, 64, seed=seed)
+    q = torch.randn(2, 1, 9, 64, generator=torch.Generator().manual_seed(seed + 1))
+    got = _select(q, keys, idx, rows, 32, budget)
+    assert torch.equal(got, _select(q, keys, idx, rows, 32, 0))
+    assert _agree(got, _brute_force(q, keys, slots, lens, 32, 64, budget, 0.125)) == 1.0
+
+
 def test_a_budget_covering_every_block_is_the_full_scan():
     """With more blocks kept than the row has, the first level cuts nothing: the sets are the full
     scan's (the kernel without a first level) and the brute force's."""
-    lens = [1000]
-    keys, idx, rows, slots = _tier(lens, 64, seed=3)
-    q = torch.randn(2, 1, 9, 64, generator=torch.Generator().manual_seed(4))
-    got = _select(q, keys, idx, rows, 32, 10_000)
-    assert torch.equal(got, _select(q, keys, idx, rows, 32, 0))
-    assert _agree(got, _brute_force(q, keys, slots, lens, 32, 64, 10_000, 0.125)) == 1.0
+    _cuts_nothing([1000], seed=3, budget=10_000)
 
 
 def test_a_request_shorter_than_one_block_beyond_its_resident_set():
@@ -212,9 +217,4 @@ def test_block_means_are_the_quantised_means_of_each_block():
 def test_a_cut_that_leaves_fewer_than_m_candidates_scans_every_one():
     """One block kept per KV head holds at most 3 x 16 = 48 candidates, fewer than the 64 (2 x 32)
     the exact re-rank takes: the kernel cuts nothing and selects as the full scan does."""
-    lens = [1500]
-    keys, idx, rows, slots = _tier(lens, 64, seed=14)
-    q = torch.randn(2, 1, 9, 64, generator=torch.Generator().manual_seed(15))
-    got = _select(q, keys, idx, rows, 32, 1)
-    assert torch.equal(got, _select(q, keys, idx, rows, 32, 0))
-    assert _agree(got, _brute_force(q, keys, slots, lens, 32, 64, 1, 0.125)) == 1.0
+    _cuts_nothing([1500], seed=14, budget=1)

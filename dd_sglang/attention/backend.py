@@ -215,16 +215,23 @@ class DualDecoderAttnBackend(AttentionBackend):
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        hosted = host_prefixes(self, forward_batch)
-        if hosted is not None or (self._sub_batch_ok and skips_prefix_queries(layer, forward_batch)):
+        own, hosted = self._own_extend(layer, forward_batch)
+        if own:
             return extend_after_prefix(self, q, k, v, layer, forward_batch, save_kv_cache, hosted)
         return self.dense.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        hosted = host_prefixes(self, forward_batch)
-        if hosted is not None or (self._sub_batch_ok and skips_prefix_queries(layer, forward_batch)):
+        own, hosted = self._own_extend(layer, forward_batch)
+        if own:
             return extend_after_prefix(self, q, k, v, layer, forward_batch, save_kv_cache, hosted)
         return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+    def _own_extend(self, layer, fb) -> tuple[bool, dict | None]:
+        """Whether this backend runs extend batch ``fb`` itself (:func:`extend_after_prefix`): a request
+        of it reads its prefix from the host tier (:func:`host_prefixes`, returned too), or the
+        ``torch_native`` delegate would recompute cached query rows (:func:`skips_prefix_queries`)."""
+        hosted = host_prefixes(self, fb)
+        return hosted is not None or (self._sub_batch_ok and skips_prefix_queries(layer, fb)), hosted
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         step = getattr(forward_batch, "dd_step", None)

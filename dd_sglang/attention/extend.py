@@ -20,6 +20,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from dd_sglang.kernels.extend import aligned_query_start, prefix_extend_attention
+from dd_sglang.kvcache.dualpath import PathState
 
 
 def skips_prefix_queries(layer, fb) -> bool:
@@ -49,7 +50,7 @@ def host_prefixes(backend, fb) -> dict[int, object] | None:
     found = {}
     for row in fb.req_pool_indices.tolist():
         st = rt.by_pool.get(row)
-        if st is not None and st.released and st.path.state.name == "PREFILL_FULL" and st.host_len:
+        if st is not None and st.released and st.path.state is PathState.PREFILL_FULL and st.host_len:
             found[row] = st
     return found or None
 

@@ -28,7 +28,7 @@ import torch
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
 from dd_sglang.kvcache.host_memory import host_zeros
-from dd_sglang.kvcache.params import HOST_MEMORY_MARGIN_BYTES, host_memory_available_bytes
+from dd_sglang.kvcache.params import HOST_MEMORY_MARGIN_BYTES, host_memory_available_bytes, kv_bytes_per_token
 
 
 class HostSparseKVPool(HostKVCache):
@@ -71,7 +71,7 @@ class HostSparseKVPool(HostKVCache):
         self.head_num = num_kv_heads
         self.head_dim = head_dim
         itemsize = torch.empty((), dtype=dtype).element_size()
-        per_token = num_layers * 2 * num_kv_heads * head_dim * itemsize
+        per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, itemsize)
         usable_pages = capacity_bytes // (per_token * page_size) - 1  # one padding page, as SGLang reserves
         if usable_pages < 1:
             raise ValueError(

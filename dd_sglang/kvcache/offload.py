@@ -119,6 +119,17 @@ class Offloader:
                 score += k_buf[slots].float().norm(dim=-1).sum(dim=-1).cpu()
         return torch.sort(score.topk(n).indices + lo).values
 
+    def _load_from_host(self, st: SparseRequest, pos: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of positions ``pos`` from ``st``'s host slots into device slots ``dst``."""
+        for layer in range(self.host.layer_num):
+            self.host.load_to_device_per_layer(self.device.pool, st.host_slots[pos], dst, layer)
+
+    def _copy_on_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of device slots ``src`` into device slots ``dst`` (int64, same length)."""
+        for k_buf, v_buf in zip(self.device.pool.k_buffer, self.device.pool.v_buffer, strict=True):
+            k_buf[dst] = k_buf[src]
+            v_buf[dst] = v_buf[src]
+
     def _restore_from_host(self, st: SparseRequest, row: torch.Tensor, pos: torch.Tensor, tree_cache) -> bool:
         """Fresh device slots for the resident positions ``pos`` (``[n]`` int64) that only the host tier
         holds, filled from it; ``row`` (a copy of the request's ``req_to_token`` row) updated in place.
@@ -129,8 +140,7 @@ class Offloader:
         fresh = self.device.alloc(n, tree_cache)
         if fresh is None:
             return False
-        for layer in range(self.host.layer_num):
-            self.host.load_to_device_per_layer(self.device.pool, st.host_slots[pos], fresh, layer)
+        self._load_from_host(st, pos, fresh)
         row[pos] = fresh.to(row.dtype)
         return True
 
@@ -174,10 +184,7 @@ class Offloader:
                     self.host.free(st.host_slots)
                     st.host_slots, st.host_len, st.keep_pos = torch.empty(0, dtype=torch.int64), 0, st.keep_pos[:0]
                     return False
-                src = row[:n_tree].long()
-                for k_buf, v_buf in zip(self.device.pool.k_buffer, self.device.pool.v_buffer, strict=True):
-                    k_buf[fresh] = k_buf[src]
-                    v_buf[fresh] = v_buf[src]
+                self._copy_on_device(row[:n_tree].long(), fresh)
                 row[:n_tree] = fresh.to(row.dtype)
                 row_view[:n_tree] = row[:n_tree]
             start = sink
@@ -313,13 +320,9 @@ class Offloader:
         if n == 0:
             return True
         if from_host:
-            for layer in range(self.host.layer_num):
-                self.host.load_to_device_per_layer(self.device.pool, st.host_slots[pos], fresh, layer)
+            self._load_from_host(st, pos, fresh)
         else:
-            src = row[pos].long()
-            for k_buf, v_buf in zip(self.device.pool.k_buffer, self.device.pool.v_buffer, strict=True):
-                k_buf[fresh] = k_buf[src]
-                v_buf[fresh] = v_buf[src]
+            self._copy_on_device(row[pos].long(), fresh)
         row[pos] = fresh.to(row.dtype)
         return True
 

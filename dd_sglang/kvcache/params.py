@@ -27,6 +27,19 @@ def host_memory_available_bytes() -> int:
     return int(psutil.virtual_memory().available) - HOST_MEMORY_MARGIN_BYTES
 
 
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of one token's K and V over every layer: ``layers x 2 x kv_heads x head_dim x itemsize``
+    (SmolLM2-135M in bfloat16: 30 x 2 x 3 x 64 x 2 = 23,040)."""
+    return num_layers * 2 * num_kv_heads * head_dim * itemsize
+
+
+def sglang_input_limits(bound: int) -> tuple[int, int]:
+    """SGLang's ``(max_req_len, max_req_input_len)`` for a bound of ``bound`` tokens (the context, or
+    the device pool): ``bound - 1`` and ``bound - 6``; a prompt of ``max_req_input_len`` tokens or more
+    is refused (``sglang/srt/managers/tp_worker.py: get_worker_info``, SGLang 0.5.23)."""
+    return bound - 1, bound - 6
+
 @dataclass(frozen=True)
 class SparseParams:
     """Sparse-path settings (token counts unless named ``_bytes``).

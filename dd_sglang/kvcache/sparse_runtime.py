@@ -68,7 +68,7 @@ from dd_sglang.kvcache.dualpath import PathState
 from dd_sglang.kvcache.host_entries import REBUILD_CHUNK_TOKENS, HostEntry, HostPrefixEntries
 from dd_sglang.kvcache.host_pool import HostSparseKVPool
 from dd_sglang.kvcache.offload import DeviceSlots, Offloader
-from dd_sglang.kvcache.params import SparseParams
+from dd_sglang.kvcache.params import SparseParams, sglang_input_limits
 from dd_sglang.kvcache.pressure import PressureRelief
 from dd_sglang.kvcache.sparse_request import DENSE_ONLY, RequestTable, SparseRequest
 
@@ -230,9 +230,9 @@ class SparseRuntime:
     @property
     def pool_input_limit(self) -> int:
         """Prompt tokens from which SGLang would refuse a request in this pool: its own
-        ``max_req_input_len`` for a pool of :attr:`pool_tokens` (``min(context, pool) - 1 - 5``,
-        ``sglang/srt/managers/tp_worker.py: get_worker_info``; the context bound left out)."""
-        return self.pool_tokens - 6
+        ``max_req_input_len`` for a pool of :attr:`pool_tokens` (:func:`sglang_input_limits`; the
+        context bound left out)."""
+        return sglang_input_limits(self.pool_tokens)[1]
 
     def over_pool(self, req) -> bool:
         """Whether ``req``'s prompt is longer than the device pool takes (:attr:`pool_input_limit`):

@@ -12,7 +12,6 @@ has room for the whole prompt.
 from __future__ import annotations
 
 import re
-import threading
 import time
 
 import httpx
@@ -20,6 +19,7 @@ import pytest
 
 from bench.prompts import passkey_prompt
 from bench.server import flush_when_idle, scrape, transitions, wait_idle
+from tests.reliability.geometry import Sampler, kv_bytes_per_token
 
 from .conftest import CAP
 from .fanout import assert_back_at_baseline
@@ -45,27 +45,10 @@ def generate(srv, ids: list[int], n: int, custom: dict | None = None) -> list[in
     return r.json()["output_ids"]
 
 
-class PeakDeviceUse:
-    """Polls the sidecar while a request runs: the most device KV bytes held (not evictable) as the
-    gauge shows them, i.e. between batches (it is refreshed after each one)."""
-
-    def __init__(self, srv):
-        self.srv, self.peak, self._stop = srv, 0.0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            m = scrape(self.srv.metrics_url)
-            self.peak = max(self.peak, m.get("dd_device_kv_used_bytes", 0.0) - m.get("dd_device_kv_evictable_bytes", 0.0))
-            time.sleep(0.2)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
+def held_between_batches(sample: dict[str, float]) -> float:
+    """Device KV bytes held (not evictable) in one sidecar scrape: the gauge is refreshed after each
+    batch, so this is what is held between batches."""
+    return sample.get("dd_device_kv_used_bytes", 0.0) - sample.get("dd_device_kv_evictable_bytes", 0.0)
 
 
 def test_a_prompt_longer_than_the_pool_answers_as_dense_with_room_does(dd_server, server, long_prompt, tokenizer):
@@ -79,11 +62,11 @@ def test_a_prompt_longer_than_the_pool_answers_as_dense_with_room_does(dd_server
     assert str(PASSKEY) in tokenizer.decode(dense)
     base = flush_when_idle(dd_server)
     before = scrape(dd_server.metrics_url)
-    with PeakDeviceUse(dd_server) as peak:
+    with Sampler(dd_server) as sampler:
         full = generate(dd_server, ids, 16, {"dd_top_k": 8192})
     assert full == dense
-    row = 3 * 64 * 2 * dd_server.kv_itemsize * 30  # one token's K and V over SmolLM2's 30 layers
-    assert 0 < peak.peak <= RESIDENT_BOUND * row
+    peak = max(held_between_batches(m) for m in sampler.samples)
+    assert 0 < peak <= RESIDENT_BOUND * kv_bytes_per_token(dd_server.kv_itemsize)
     sparse = generate(dd_server, ids, 16)
     assert re.match(rf"\s*{PASSKEY}\b", tokenizer.decode(sparse)), tokenizer.decode(sparse)
     after = wait_idle(dd_server)
