@@ -197,6 +197,7 @@ def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict
                         times.append(time.monotonic())
         results[i] = {"passkey": key, "answer": text[:40], "found": bool(re.match(rf"\s*{key}\b", text)),
                       "chunks": len(times), "tokens": usage["completion_tokens"] if usage else len(times), "start": t0,
+                      "prompt_tokens": usage["prompt_tokens"] if usage else None,
                       "first_token": times[0] if times else None, "end": time.monotonic(), "times": times}  # fmt: skip
 
     before = scrape(srv.metrics_url)
@@ -239,6 +240,7 @@ def run_round(spec: str, srv, prompts: list[tuple[str, int, int]], args) -> dict
         **steady_decode([r["times"] for r in results]),
         "latency_seconds": [round(r["end"] - r["start"], 2) for r in results],
         "answers": [{"passkey": r["passkey"], "answer": r["answer"], "found": r["found"]} for r in results],
+        "prompt_tokens_reported": [r["prompt_tokens"] for r in results],  # by the server (usage), per request
     }
 
 

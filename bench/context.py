@@ -27,6 +27,8 @@ the step time a user sees, prefills left out: :func:`bench.capacity.steady_decod
 the mean decode step split by phase from the backend's counters (``plan``, ``select``, ``assemble``
 (the gather of the critical set), ``attention``, ``rest``: :func:`bench.decode_speed.breakdown`).
 
+Each cell keeps its prompts' tokens as the tokenizer counts them (``prompt_tokens``) and as each server
+reported them in its usage (``prompt_tokens_reported``, per server; recorded since the 2026-12-07 run).
 Ratios per cell: sparse over dense steady decode tokens/s; across cells, the sparse step at the longest
 single-request length over the one at 4k (``steady_gap_seconds``), and dense's the same way. Issue 54's
 goals: the sparse step at 32k <= 1.25x its cost at 4k; at 32k, one request decodes >= 8x dense.
@@ -109,6 +111,7 @@ def run_cell(servers: dict, requests: int, length: int, prompts, order: list[str
     d, s = out["dense"], out["sparse"]
     ratio = lambda k: round(s[k] / d[k], 3) if d[k] else None  # noqa: E731
     return {"requests": requests, "target_tokens": length, "prompt_tokens": [n for _, n, _ in prompts],
+            "prompt_tokens_reported": {name: run.get("prompt_tokens_reported") for name, run in out.items()},
             "order": order, "runs": out,
             "sparse_over_dense": ratio("steady_decode_tokens_per_second"),
             "sparse_over_dense_decode": ratio("decode_tokens_per_second")}  # fmt: skip
