@@ -10,7 +10,10 @@
   one could be offloaded for them under the ``pressure`` policy
   (``SparseRuntime.admission_may_reopen``; the admission hook,
   ``patches/managers_schedule_policy.py``, then offloads it). Then refresh the gauges
-  (rate-limited by ``metrics.update_interval_s``).
+  (rate-limited by ``metrics.update_interval_s``). After a prefill batch, on the CPU platform,
+  return glibc's free heap to the kernel at most every ``DD_SGLANG_CPU_HEAP_TRIM_S`` seconds
+  (:func:`dd_sglang.platform.heap.after_prefill_batch`: prompts of every length leave freed
+  buffers of new sizes that glibc otherwise keeps, issue 52), with or without the sparse runtime.
 * ``Scheduler.init_req_max_new_tokens`` (AROUND): for a prompt longer than the device pool
   (:meth:`SparseRuntime.over_pool`, prefilled through the host tier), SGLang's clip of
   ``max_new_tokens`` to what the pool holds beside the whole prompt is undone: only the context
@@ -55,6 +58,10 @@ def Scheduler_process_batch_result(result, self, *args, **kwargs):
             # is the KV of a running request the pressure policy may offload.
             running.batch_is_full = False
     refresh_scheduler_metrics(self)
+    if batch is not None and batch.forward_mode.is_extend():
+        from dd_sglang.platform.heap import after_prefill_batch
+
+        after_prefill_batch()
 
 
 def Scheduler_on_idle(result, self, *args, **kwargs):

@@ -498,6 +498,14 @@ def test_launcher_refuses_a_bad_on_off_switch(tmp_path, switch):
     assert f"{switch} must be 0 or 1, got 'false'" in r.stderr + r.stdout
 
 
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "3601"])
+def test_launcher_refuses_a_bad_heap_trim_interval(tmp_path, value):
+    """DD_SGLANG_CPU_HEAP_TRIM_S takes seconds in [0, 3600]; anything else stops before SGLang
+    starts, naming the variable and the range."""
+    r = _refused_before_torch("--model-path", str(tmp_path), env={"DD_SGLANG_CPU_HEAP_TRIM_S": value})
+    assert f"DD_SGLANG_CPU_HEAP_TRIM_S must be seconds in [0, 3600] (0: off), got {value!r}" in r.stderr + r.stdout
+
+
 def _hf_config(folder, **extra) -> str:
     """A model folder holding only a ``config.json`` (SmolLM2's RoPE fields, transformers 5 layout)."""
     import json

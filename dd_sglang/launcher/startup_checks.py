@@ -245,6 +245,12 @@ def prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | Non
     for switch in (PREPACK_ENV, ROW_BUCKETS_ENV, HUGE_PAGES_ENV):  # read again inside SGLang; refused here first
         if os.environ.get(switch, "1").strip() not in ("0", "1"):
             raise Refused(f"{switch} must be 0 or 1, got {os.environ[switch]!r}")
+    from dd_sglang.platform.heap import trim_interval_s
+
+    try:
+        trim_interval_s()
+    except ValueError as err:
+        raise Refused(str(err)) from None
     # The dualdecoder refusals read flags the CPU platform never adds (--device, --dtype): they are
     # judged on the command line SGLang would get without them, still before PyTorch is imported.
     _check_dualdecoder(build_sglang_argv(cfg, sglang_argv, model_path, cpu=False, served_name=served_name,

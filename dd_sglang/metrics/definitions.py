@@ -107,6 +107,16 @@ PRESSURE_OFFLOADS = Counter(
     ["trigger"],
 )
 
+CPU_HEAP_TRIMS = Counter(
+    "dd_cpu_heap_trims",
+    "Trims of the scheduler's glibc heap (malloc_trim(0): free pages back to the kernel) after prefill "
+    "batches on the CPU platform, at most one every DD_SGLANG_CPU_HEAP_TRIM_S seconds (0: off).",
+)
+CPU_HEAP_TRIM_SECONDS = Counter(
+    "dd_cpu_heap_trim_seconds",
+    "Time the scheduler spent in those trims (the pages they returned fault back in later, not counted here).",
+)
+
 
 def publish_policy_series() -> None:
     """Create every ``reason`` of :data:`DUALPATH_PATH_CHANGES` and every ``trigger`` of
@@ -322,6 +332,7 @@ UNITS = {
     "dd_spec_accepted": "decode steps",
     "dd_prefetch_layer_hit_rate": "ratio in [0, 1]",
     "dd_decode_steps": "decode forwards",
+    "dd_cpu_heap_trims": "trims",
 }
 
 #: Label names and the values they take (bounded sets; never request ids).
@@ -381,6 +392,8 @@ READING = {
     "dd_transfer_hidden_seconds": "Hidden share = rate(this) / rate(dd_transfer_copy_seconds_sum).",
     "dd_decode_steps": "Mean step time = rate(dd_decode_step_seconds_total) / rate(dd_decode_steps_total), "
     "by kind; the phases' share = rate(dd_step_phase_seconds_total) by (phase) / rate(dd_decode_step_seconds_total).",
+    "dd_cpu_heap_trims": "Mean trim = rate(dd_cpu_heap_trim_seconds_total) / rate(dd_cpu_heap_trims_total). "
+    "0 on a GPU host and with DD_SGLANG_CPU_HEAP_TRIM_S=0 (docs/operations-memory.md).",
     "dd_prefetch_layer_hit_rate": "Per-layer distribution of the per-(request, step) hit rate on sampled "
     "steps: a layer whose mass sits in low buckets is predicted badly.",
 }

@@ -116,6 +116,7 @@ class SchedulerMetrics:
         self.interval_s = interval_s
         self.report_requests = report_requests
         self._last = 0.0
+        self._trims = (0, 0.0)  # the heap trimmer's (trims, seconds) at the last publication
 
     def maybe_update(self, scheduler, force: bool = False) -> DeviceTierSnapshot | None:
         now = time.monotonic()
@@ -128,6 +129,12 @@ class SchedulerMetrics:
 
     def publish(self, snap: DeviceTierSnapshot) -> None:
         from dd_sglang.metrics import definitions as m
+        from dd_sglang.platform.heap import scheduler_trimmer
+
+        trimmer = scheduler_trimmer()
+        m.CPU_HEAP_TRIMS.inc(trimmer.trims - self._trims[0])
+        m.CPU_HEAP_TRIM_SECONDS.inc(trimmer.seconds - self._trims[1])
+        self._trims = (trimmer.trims, trimmer.seconds)
 
         m.DEVICE_KV_CAPACITY_BYTES.set(snap.capacity_bytes)
         m.DEVICE_KV_USED_BYTES.set(snap.used_bytes)

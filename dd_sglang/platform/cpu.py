@@ -16,6 +16,7 @@ from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import SRTPlatform
 
 from dd_sglang.platform.dtype import default_dtype
+from dd_sglang.platform.heap import trim_heap
 
 #: The attention backend used for dense prefill and decode on this platform
 #: (sglang/srt/layers/attention/torch_native_backend.py).
@@ -40,6 +41,13 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         """The model dtype this CPU runs fastest (:func:`default_dtype`); the launcher passes it
         as ``--dtype`` unless the user gave one."""
         return default_dtype()
+
+    def empty_cache(self) -> None:
+        """SGLang's release point (idle sleep with ``SGLANG_EMPTY_CACHE_INTERVAL``, ``flush_cache``,
+        weight reloads): its CPU garbage-collection pass, then glibc's free heap back to the kernel
+        (:func:`dd_sglang.platform.heap.trim_heap`)."""
+        super().empty_cache()
+        trim_heap()
 
     def is_pin_memory_available(self, device=None) -> bool:
         """Pinned host memory needs a CUDA driver; there is none here."""

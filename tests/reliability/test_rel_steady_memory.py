@@ -9,17 +9,25 @@ to the server's chunk is a new shape. This sends prompts of distinct lengths one
 first to fill bounded caches, then more, and bounds the scheduler's growth over the second part:
 with the caches at 1,024 entries it was ~2.7 MiB a request there.
 
+Issue 52: buffers of new sizes, freed, are kept by glibc as free heap; the scheduler trims its heap
+after prefill batches (:mod:`dd_sglang.platform.heap`), and the trims are counted on the sidecar's
+``dd_cpu_heap_trims_total``: the test's 96 requests (~26 s here, five times the 5 s interval) must
+see at least one. What the trim saves at prompt lengths of thousands of tokens is measured in
+``tests/test_platform_heap.py`` and by ``bench.soak --tokens 100 6000`` (``docs/operations-memory.md``).
+
 Last in the package (file name order): it fills the device pool's prefix cache with its prompts.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from bench.server import scrape
 from bench.soak import role_of
 from dd_sglang.platform import ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_ENVS
 
@@ -64,14 +72,23 @@ def test_scheduler_runs_with_the_onednn_caches_bounded(rel_server):
     assert {n: env.get(n) for n in ONEDNN_CACHE_ENVS} == dict.fromkeys(ONEDNN_CACHE_ENVS, str(ONEDNN_CACHE_CAPACITY))
 
 
+def trims(srv) -> float:
+    """The scheduler's heap trims so far (``dd_cpu_heap_trims_total``; published at most every
+    ``metrics.update_interval_s``, so read after the gauges settle)."""
+    return scrape(srv.metrics_url, "dd_cpu_heap_trim").get("dd_cpu_heap_trims_total", 0.0)
+
+
 def test_scheduler_memory_stops_growing_with_new_prompt_lengths(rel_server):
-    sched = scheduler(rel_server)
+    sched, trims_before = scheduler(rel_server), trims(rel_server)
     send(rel_server, LENGTHS[:WARMUP], seed=1)
     before = sched.memory_info().rss
     measured = LENGTHS[WARMUP:]
     send(rel_server, measured, seed=2)
     grown = sched.memory_info().rss - before
-    print(f"scheduler RSS {before / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB over {len(measured)} requests")
+    time.sleep(1.5)  # the sidecar sees the counters the scheduler published after its last batch or idle poll
+    trimmed = trims(rel_server) - trims_before
+    print(f"scheduler RSS {before / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB over {len(measured)} requests; {trimmed:.0f} heap trims over all {len(LENGTHS)}")
+    assert trimmed >= 1, "the scheduler never trimmed its heap after a prefill (DD_SGLANG_CPU_HEAP_TRIM_S)"
     assert grown <= MAX_GROWTH_PER_REQUEST * len(measured), (
         f"the scheduler grew {grown / MiB:.1f} MiB over {len(measured)} requests of new prompt lengths "
         f"({grown / len(measured) / MiB:.2f} MiB a request; bound {MAX_GROWTH_PER_REQUEST / MiB} MiB)"
