@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from dd_sglang.prefetch.plan_inputs import PlanInputs
 from dd_sglang.prefetch.predictions import NextSets, RequestPrediction
 from dd_sglang.prefetch.selectors import Selector
 from dd_sglang.prefetch.speculators import verify
-
-if TYPE_CHECKING:
-    from dd_sglang.prefetch.plan_inputs import PlanInputs
 
 
 @dataclass
