@@ -35,10 +35,10 @@ import time
 import httpx
 
 from bench.capacity import launch_backend, stop_backend
-from bench.client import check_ranges, long_request_parser, write_result
+from bench.cli import check_ranges, long_request_parser, write_result
 from bench.machine import measured
-from bench.prompts import passkey_prompt
-from bench.server import scrape
+from harness.prompts import passkey_prompt
+from harness.server import scrape
 
 SPARSE = 'dd_dualpath_requests{state="DECODE_SPARSE"}'
 POLICIES = ("always", "pressure")
@@ -56,7 +56,7 @@ def run_round(srv, prompts, args, policy: str | None) -> dict:
     (this benchmark's first question); with a policy it runs the whole ``--seconds``, so the output
     tokens/s of two policies cover the same window. Tokens are counted as streamed chunks (SGLang
     streams one token per chunk by default)."""
-    from bench.server import flush_when_idle, wait_idle
+    from harness.server import flush_when_idle, wait_idle
 
     stop = threading.Event()
     tokens = [0] * len(prompts)

@@ -69,10 +69,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.client import write_result
+from bench.cli import write_result
 from bench.machine import describe, machine_state, summary
-from bench.prompts import passkey_prompt
-from bench.server import delta, flush_when_idle, launch_server, scrape, transitions
+from harness.prompts import passkey_prompt
+from harness.server import delta, flush_when_idle, launch_server, scrape, transitions
 
 
 def steady_decode(times: list[list[float]]) -> dict:
@@ -113,7 +113,7 @@ def backend_spec(spec: str) -> tuple[str, str, bool]:
 def launch_backend(backend: str, budget: int, env: dict[str, str] | None = None, dtype: str | None = None):
     """Launch a server with ``--attention-backend backend`` and a device KV pool of ``budget``
     tokens, its log in a fresh temporary folder, not waiting for it; returns ``(server, log path)``.
-    ``env``: variables added to the launcher's environment (:func:`bench.server.launch_server`);
+    ``env``: variables added to the launcher's environment (:func:`harness.server.launch_server`);
     ``dtype``: SGLang's ``--dtype`` (None: the launcher's choice for this host)."""
     log = Path(tempfile.mkdtemp(prefix="dd_capacity_")) / "server.log"
     extra = ["--attention-backend", backend, *(["--dtype", dtype] if dtype else [])]

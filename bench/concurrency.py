@@ -47,7 +47,7 @@ the run, and the same for decode tokens/s), ``ceiling_fraction`` (sparse steady 
 the ceiling's; and ``ceiling_fraction_decode`` with decode tokens/s). Issue 41's goals: ceiling
 fraction >= 0.9 at 1 request and >= 0.8 at 8 and 16; same-pool output >= 4x at 8 and >= 6x at 16.
 
-Output: JSON with provenance (:func:`bench.client.write_result`) and a PNG (output and steady decode
+Output: JSON with provenance (:func:`bench.cli.write_result`) and a PNG (output and steady decode
 tokens/s against concurrency, one line per configuration, and the ceiling fraction). Nothing here is a
 pass/fail test; loopback only; each group's servers are stopped before the next group starts.
 """
@@ -60,11 +60,12 @@ import sys
 from pathlib import Path
 
 from bench.capacity import launch_backend, room_budget, run_round, stop_backends
-from bench.client import check_ranges, n_layers_of_model, write_result
+from bench.cli import check_ranges, write_result
 from bench.decode_speed import breakdown
 from bench.machine import command_line, describe, host, machine_state, provenance, summary
-from bench.prompts import passkey_prompt
-from bench.server import delta, flush_when_idle, scrape
+from harness.client import n_layers_of_model
+from harness.prompts import passkey_prompt
+from harness.server import delta, flush_when_idle, scrape
 
 #: Configurations: name -> (server, prompt kind).
 CONFIGS = {

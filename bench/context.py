@@ -46,10 +46,11 @@ import tempfile
 from pathlib import Path
 
 from bench.capacity import run_round, stop_backends
-from bench.client import check_ranges, n_layers_of_model, write_result
+from bench.cli import check_ranges, write_result
 from bench.concurrency import _sparse_phases, level_prompts, measured_dtypes
 from bench.machine import command_line, describe, host, machine_state, provenance, summary
-from bench.server import flush_when_idle, launch_server, scrape
+from harness.client import n_layers_of_model
+from harness.server import flush_when_idle, launch_server, scrape
 
 #: The long-context preset both servers run (``configs/cpu-smollm2-32k.yaml``).
 PRESET = "cpu-smollm2-32k"

@@ -80,7 +80,7 @@ default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
 With ``--use-prefetched`` each cell also runs ``spec_host`` unverified on the
 ``dualdecoder`` server (the default preset with ``experimental.request_overrides: true``,
-:func:`bench.client.preset_dict`): ``custom_params`` ``dd_selector: spec_host`` and
+:func:`harness.client.preset_dict`): ``custom_params`` ``dd_selector: spec_host`` and
 ``dd_miss_policy: use_prefetched`` (the prediction attended as it arrived, the
 previous default less its repairs after rejected speculations), as
 ``dualdecoder_sparse_use_prefetched``; ``default_over_use_prefetched`` is the
@@ -123,11 +123,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.client import bench_preset, preset_dict, write_result
+from bench.cli import write_result
 from bench.machine import describe, machine_state, summary
-from bench.prompts import passkey_prompt
-from bench.server import scrape, start_server
 from dd_sglang.platform.linear import PREPACK_ENV
+from harness.client import bench_preset, preset_dict
+from harness.prompts import passkey_prompt
+from harness.server import scrape, start_server
 
 PHASES = ("plan", "select", "assemble", "attention")
 TPS = "decode_tokens_per_second"

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.client import write_result
+from bench.cli import write_result
 from bench.machine import command_line
-from bench.prompts import passkey_prompt
-from bench.server import start_server
+from harness.prompts import passkey_prompt
+from harness.server import start_server
 
 
 def _stream(url: str, prompt: str, n: int) -> tuple[float, float | None]:

@@ -25,7 +25,7 @@ import time
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from bench.client import write_result
+from bench.cli import write_result
 from bench.machine import describe, machine_state
 from dd_sglang.kernels.extend import aligned_query_start, prefix_extend_attention
 

@@ -7,7 +7,7 @@ Usage::
                              [--dense-url URL] [--dd-url URL --dd-metrics-url URL]
                              [--set SECTION.KEY=VALUE ...] [--out bench/results/fidelity_cpu.json] [--quick]
 
-Texts (:mod:`bench.texts`): Debian's licences, Python's reference docs, the
+Texts (:mod:`harness.texts`): Debian's licences, Python's reference docs, the
 installed packages' descriptions. Nothing synthetic except the inserted facts.
 
 **Configurations.** ``dense``: a ``torch_native`` server (SGLang's own
@@ -29,7 +29,7 @@ today, so those pairs repeat ``+none``). Each sparse configuration runs at
 
 **Per cell.**
 
-* *Retrieval*: ``--trials`` prompts per context (:func:`bench.texts.needle_prompt`):
+* *Retrieval*: ``--trials`` prompts per context (:func:`harness.texts.needle_prompt`):
   trial ``i`` uses text ``i mod n_texts``, a fact (an uncommon name: issue
   10's kind) or a 5-digit pass key alternately, depths spread evenly over
   5%-95%, window and answer fixed by seed ``1000 x context + i``; greedy, 12
@@ -39,7 +39,7 @@ today, so those pairs repeat ``+none``). Each sparse configuration runs at
   default configuration misses while ``oracle`` at the same k finds them.
 * *NLL*: per text, a window of ``context`` tokens, then ``--nll-tokens`` real
   next tokens teacher-forced **through the decode path**: the request's output
-  is forced to the text's tokens by :class:`bench.teacher_force.ForceTokensScored`,
+  is forced to the text's tokens by :class:`harness.teacher_force.ForceTokensScored`,
   which also returns the model's own log-probability of each forced token
   (computed on the logits of the step that decoded it; see that class for why
   a carrier is needed). The first output token comes from the prefill and is
@@ -77,7 +77,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.client import (
+from bench.cli import write_result
+from bench.stats import mean_ci, wilson
+from harness.client import (
     Counters,
     forced_scores,
     generate,
@@ -86,10 +88,8 @@ from bench.client import (
     prefill_logprobs,
     served,
     stop_left_running,
-    write_result,
 )
-from bench.stats import mean_ci, wilson
-from bench.texts import available_texts, needle_prompt, text
+from harness.texts import available_texts, needle_prompt, text
 
 SELECTORS = ("spec_host", "spec_host_exact", "recency", "quest_device", "oracle", "host_sync")
 SPECULATORS = ("dual_token", "ngram", "none")
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20, help="retrieval trials per context")
     ap.add_argument("--nll-tokens", type=int, default=128, help="teacher-forced scored tokens per text")
     ap.add_argument("--agree-tokens", type=int, default=64, help="greedy tokens compared with dense per text")
-    ap.add_argument("--texts", default=None, help="comma list of bench.texts.TEXTS (default: all available)")
+    ap.add_argument("--texts", default=None, help="comma list of harness.texts.TEXTS (default: all available)")
     ap.add_argument("--configs", default=None, help="comma list of configuration names, or 'all'")
     ap.add_argument("--dense-url", default=None, help="a running torch_native server (with "
                     "--enable-custom-logit-processor --disable-overlap-schedule: teacher forcing needs both) "

@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 from bench.capacity import round_prompts, run_round
-from bench.client import write_result
-from bench.server import launch_server
+from bench.cli import write_result
+from harness.server import launch_server
 
 #: name -> (launcher flags, environment added)
 SERVERS = {

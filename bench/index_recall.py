@@ -21,7 +21,7 @@ query). Methods:
 and exact keys, at the model's KV dtype ``--kv-bytes``).
 
 The model runs in HF transformers on the CPU (``bench.ceiling.load_model``), one text from
-``bench.texts`` as context, ``--steps`` decode steps teacher-forced from the text.
+``harness.texts`` as context, ``--steps`` decode steps teacher-forced from the text.
 
 Run: ``python -m bench.index_recall --tokens 4000 7900 --k 256 --out bench/results/index_recall_cpu.json``
 (about 1 min per context length on a 2-core CPU).
@@ -37,7 +37,6 @@ import time
 import torch
 
 from bench.ceiling import QueryCapture, load_model
-from bench.texts import available_texts, text
 from dd_sglang.prefetch.index import KeyBlockIndex, QuantKeyIndex
 from dd_sglang.prefetch.scoring import (
     BLOCK_TOKENS,
@@ -47,6 +46,7 @@ from dd_sglang.prefetch.scoring import (
     token_log_scores,
 )
 from dd_sglang.prefetch.selectors import make_selector
+from harness.texts import available_texts, text
 
 N_SINK, N_RECENT = 4, 128
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     out["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(out, indent=1))
     if args.out:
-        from bench.client import write_result
+        from bench.cli import write_result
 
         write_result(out, args.out)
     return 0

@@ -5,7 +5,7 @@ Usage::
     python -m bench.issue10 [--dd-url URL --dd-metrics-url URL] [--out bench/results/issue10_cpu.json]
                             [--configs NAME,...] [--sweep NAME,...] [--sweep-k 512,2048] [--skip-offline]
 
-Input: :func:`bench.texts.issue10_prompt` (Debian's Apache-2.0 then GPL-3
+Input: :func:`harness.texts.issue10_prompt` (Debian's Apache-2.0 then GPL-3
 words, ``random.Random(2)`` window of 3,000 words, "The navigator of the
 expedition was called Leopold." at 40%), greedy, 16 tokens.
 
@@ -16,7 +16,7 @@ identical to dense, as ``tests/dualdecoder/test_dualdecoder_e2e.py`` asserts). F
 configuration (selector x speculator x miss policy x top_k): the greedy answer,
 whether it contains "Leopold", the first token where it leaves the reference,
 and, teacher-forcing the reference tokens through the decode path
-(:class:`bench.teacher_force.ForceTokensScored`), per step the model's
+(:class:`harness.teacher_force.ForceTokensScored`), per step the model's
 log-probability of the reference token and whether it was still the argmax:
 the step where it is not is the step that loses the answer. For the steps that
 lose it, the prefetch recall of that single step (all layers), from the
@@ -38,8 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.client import Counters, forced_scores, generate, n_layers_of_model, served, write_result
-from bench.texts import issue10_prompt
+from bench.cli import write_result
+from harness.client import Counters, forced_scores, generate, n_layers_of_model, served
+from harness.texts import issue10_prompt
 
 DEFAULT = {"dd_selector": "spec_host", "dd_speculator": "dual_token"}
 REF = {"dd_top_k": 8192, "dd_selector": "oracle", "dd_speculator": "none"}

@@ -1,7 +1,7 @@
 """The machine a benchmark ran on, how fast it was at that moment, and the provenance of its result.
 
 Every benchmark JSON under ``bench/results/`` carries one ``provenance`` block, written by
-:func:`provenance` through ``bench.client.write_result``::
+:func:`provenance` through ``bench.cli.write_result``::
 
     {"commit": "<40 hex>", "dirty": false, "date": "2026-12-05T10:11:12Z", "command": "python -m bench...",
      "versions": {"dd_sglang": "0.1.0", "sglang": "0.5.23", "torch": "2.14.1", "python": "3.11.9"},

@@ -8,7 +8,7 @@ Usage::
 For each backend, in one run, one after the other: start a dd_sglang server
 (default preset, ``--max-total-tokens 16384``, ``--attention-backend B``), ask
 greedy ``/v1/completions`` for the passkey of each prompt
-(:func:`bench.prompts.passkey_prompt`) and record whether the answer starts with
+(:func:`harness.prompts.passkey_prompt`) and record whether the answer starts with
 it; then measure decode speed: stream 64 greedy tokens after a
 ``--decode-tokens``-token prompt and take (chunks - 1) / (last - first chunk
 time), i.e. tokens/s after the first token. Results are written as JSON;
@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from bench.client import write_result
-from bench.prompts import passkey_prompt
-from bench.server import start_server
+from bench.cli import write_result
+from harness.prompts import passkey_prompt
+from harness.server import start_server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,10 +36,10 @@ from pathlib import Path
 import httpx
 
 from bench.capacity import stop_backends
-from bench.client import check_ranges, write_result
+from bench.cli import check_ranges, write_result
 from bench.machine import command_line, host
-from bench.prompts import passkey_prompt
-from bench.server import launch_server, scrape
+from harness.prompts import passkey_prompt
+from harness.server import launch_server, scrape
 
 PRESET = "cpu-smollm2-32k"
 

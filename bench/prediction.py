@@ -23,7 +23,7 @@ dd_prefetch_mass_top_k_total``, per-layer recall = the per-layer histogram's
 ``sum / count``, acceptance = ``dd_spec_accepted_total / dd_spec_proposed_total``.
 Regimes (DESIGN.md): ``greedy``; ``sample_t0.8`` (temperature 0.8, top-p 0.95,
 seed per request); ``teacher_forced`` (output forced to the text's next tokens by
-:class:`bench.teacher_force.ForceTokensScored`); ``replay_t0.8`` (a paired form of
+:class:`harness.teacher_force.ForceTokensScored`); ``replay_t0.8`` (a paired form of
 ``sample_t0.8``: one continuation per window is sampled at T 0.8 / top-p 0.95 on the
 first variant's dense path, ``dd_sparse: false``, then teacher-forced through every
 configuration and variant, so they predict the same token sequence and differ
@@ -33,7 +33,7 @@ interval (n = texts x windows).
 
 **Variants** (``--variants``): the serving part runs once per server variant, one
 after another in the same run: ``default`` is the preset; ``NAME=SECTION.KEY:value/SECTION.KEY:value``
-sets those preset keys (as ``--set SECTION.KEY=value`` does elsewhere, :func:`bench.client.parse_sets`:
+sets those preset keys (as ``--set SECTION.KEY=value`` does elsewhere, :func:`harness.client.parse_sets`:
 validated by the preset schema before any server starts), and the variant's cells carry the configuration
 name ``config[NAME]``. Recall is a count, not a time, so variants need not run at once.
 
@@ -62,10 +62,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.client import Counters, generate, n_layers_of_model, served, write_result
+from bench.cli import write_result
 from bench.fidelity import parse_configs
 from bench.stats import mean_ci
-from bench.texts import available_texts, text
+from harness.client import Counters, generate, n_layers_of_model, served
+from harness.texts import available_texts, text
 
 REGIMES = ("greedy", "sample_t0.8", "teacher_forced", "replay_t0.8")
 CAP = 16384
@@ -93,7 +94,7 @@ def parse_variants(arg: str) -> dict[str, dict]:
         ValueError: a malformed item, a repeated name, or keys the preset schema refuses (the
             message names ``--variants`` and the schema's complaint).
     """
-    from bench.client import parse_sets
+    from harness.client import parse_sets
 
     out: dict[str, dict] = {}
     for item in arg.split(","):
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", default="16,32", help="k = context / F for each F")
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--windows", type=int, default=2, help="text windows per text and context")
-    ap.add_argument("--texts", default=None, help="comma list of bench.texts.TEXTS (default: all available)")
+    ap.add_argument("--texts", default=None, help="comma list of harness.texts.TEXTS (default: all available)")
     ap.add_argument("--configs", default="spec_host+dual_token,spec_host+ngram,recency")
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--variants", default="default", help="server variants (module docstring)")

@@ -20,7 +20,7 @@ the text with ``dd_selector`` (``--selectors``: ``spec_host``, the default, and
 Regimes (DESIGN.md "Measuring the prefetch hit rate honestly"): ``greedy``;
 ``sample_t0.8`` (temperature 0.8, top-p 0.95, fixed seed); ``teacher_forced``
 (the output is forced to the text's own next tokens by
-:class:`bench.teacher_force.ForceTokens`; the speculators still guess from
+:class:`harness.teacher_force.ForceTokens`; the speculators still guess from
 the model). Figures are the server's own counters: recall =
 ``dd_prefetch_hits_total / dd_prefetch_lookups_total`` (per decode step, layer
 and KV head: |set fixed one step earlier ∩ exact top-k of the real query| /
@@ -56,26 +56,14 @@ import httpx
 import yaml
 from tqdm import tqdm
 
-from bench.client import write_result
-from bench.prompts import passkey_prompt
-from bench.server import ROOT, scrape, start_server
+from bench.cli import write_result
+from harness.prompts import passkey_prompt
+from harness.server import ROOT, scrape, start_server
+from harness.texts import corpus_text
 
 SPECULATORS = ("dual_token", "ngram", "none")
 REGIMES = ("greedy", "sample_t0.8", "teacher_forced")
 CAP = 16384
-
-
-def corpus_text() -> str:
-    """Real English prose available offline: installed packages' long descriptions."""
-    import site
-
-    texts = []
-    for root in site.getsitepackages():
-        for meta in sorted(Path(root).glob("*.dist-info/METADATA")):
-            body = meta.read_text(errors="ignore").split("\n\n", 1)
-            if len(body) == 2 and len(body[1]) > 2000:
-                texts.append(body[1])
-    return "\n\n".join(texts)[:200_000]  # ~50k tokens, plenty for 8k contexts
 
 
 def _delta(after: dict, before: dict, name: str) -> float:
@@ -113,7 +101,7 @@ def hit_rates(
     ids_all: list[int], contexts: list[int], n_new: int, tmp: Path, selectors: list[str]
 ) -> list[dict]:
     """Part 1 (module docstring)."""
-    from bench.teacher_force import ForceTokens
+    from harness.teacher_force import ForceTokens
 
     srv = start_server(
         tmp / "hit_rate.log",

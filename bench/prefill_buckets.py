@@ -28,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.client import check_ranges, write_result
-from bench.server import launch_server
-from bench.soak import MiB, license_token_ids, prompt_tokens, role_of
+from bench.cli import check_ranges, write_result
+from bench.soak import MiB, license_token_ids, prompt_tokens
 from dd_sglang.platform import ROW_BUCKETS_ENV
+from harness.server import launch_server, role_of
 
 
 def _scheduler_rss(srv) -> int:

@@ -38,7 +38,7 @@ TEMPLATE = "<|im_start|>user\nContinue this text.\n{body}<|im_end|>\n<|im_start|
 
 def prompts(tokenizer, context: int, n: int) -> list[str]:
     """``n`` prompts of about ``context`` tokens: disjoint windows of Python's reference docs."""
-    from bench.texts import python_docs
+    from harness.texts import python_docs
 
     ids = tokenizer.encode(python_docs())
     size = context - 30
@@ -54,7 +54,7 @@ def one_request(url: str, metrics_url: str, prompt: str, top_k: int, new_tokens:
     Raises:
         RuntimeError: the server answered with an error, or the request decoded no verified step.
     """
-    from bench.server import scrape
+    from harness.server import scrape
 
     body = {"model": "x", "prompt": prompt, "max_tokens": new_tokens, "temperature": temperature, "top_p": top_p,
             "seed": seed, "ignore_eos": True, "custom_params": {"dd_top_k": top_k, "dd_selector": "spec_host"}}  # fmt: skip
@@ -92,7 +92,7 @@ def summarize(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from bench.client import check_ranges
+    from bench.cli import check_ranges
 
     ap = argparse.ArgumentParser(prog="python -m bench.recall", description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="4000,7900")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     try:
         if url is None:
-            from bench.server import start_server
+            from harness.server import start_server
 
             srv = start_server(tmp / "server.log", 16384, ["--attention-backend", "dualdecoder"], timeout=900)
             url, murl, dtype = srv.url, srv.metrics_url, srv.dtype
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    from bench.client import write_result
+    from bench.cli import write_result
 
     write_result({"benchmark": "recall", "command": command, "dtype": dtype, "new_tokens": args.new_tokens,
                   "selector": "spec_host", "speculator": "dual_token", "cells": cells}, out)  # fmt: skip

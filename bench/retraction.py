@@ -37,10 +37,10 @@ import time
 import httpx
 
 from bench.capacity import launch_backend, stop_backend
-from bench.client import check_ranges, long_request_parser, write_result
+from bench.cli import check_ranges, long_request_parser, write_result
 from bench.machine import measured
-from bench.prompts import passkey_prompt
-from bench.server import scrape
+from harness.prompts import passkey_prompt
+from harness.server import scrape
 
 STATES = ("DENSE", "PREFILL_FULL", "OFFLOADING", "DECODE_SPARSE", "REBUILD")
 

@@ -34,22 +34,14 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.client import write_result
-from bench.gateway import served_by, start_gateway
-from bench.prompts import FILLER, passkey_prompt
-from bench.server import ROOT, scrape
+from bench.cli import write_result
+from harness.client import post_chat
+from harness.gateway import served_by, start_gateway
+from harness.prompts import FILLER, passkey_prompt
+from harness.server import ROOT, scrape
 
-MODEL = "smollm2-135m-instruct"
 ANSWER = "The pass key is "  # the trailing space: the model then answers with the digits (without it, " the pass key..." in float32)
 RESULT = ROOT / "bench" / "results" / "routing_cpu.json"
-
-
-def post_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 900.0) -> httpx.Response:
-    """A greedy ``/v1/chat/completions`` request that continues the final (assistant) message;
-    the raw response (its status unchecked). ``timeout`` in seconds."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "continue_final_message": True}  # fmt: skip
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
 
 
 def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[dict, float]:

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/ruler_<host class>.json)")
     ap.add_argument("--plot", default=None, help="PNG (default: the JSON's path with .png)")
     args = ap.parse_args(argv)
-    from bench.client import check_ranges
+    from bench.cli import check_ranges
 
     check_ranges(ap, args, (("samples", 1, 100_000), ("concurrency", 1, 64), ("max_gen_toks", 1, 1024)))
     try:
@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         if url is None:
-            from bench.client import COMMON_FLAGS, bench_preset
-            from bench.server import start_server
+            from harness.client import COMMON_FLAGS, bench_preset
+            from harness.server import start_server
 
             tmp = Path(tempfile.mkdtemp(prefix="dd_ruler_"))
             # The default preset, letting requests set dd_miss_policy (experimental.request_overrides).
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    from bench.client import write_result
+    from bench.cli import write_result
 
     result = {"benchmark": "ruler", "preset": args.preset, "task": args.task, "samples": args.samples, "max_gen_toks": args.max_gen_toks,
               "command": command, "dtype": dtype, "lm_eval": "0.4.13, greedy /v1/completions (bench.ruler.FanOutCompletions)",

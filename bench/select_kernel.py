@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from bench.client import write_result
-from bench.server import ROOT
+from bench.cli import write_result
 from dd_sglang.kernels import native
 from dd_sglang.kvcache.host_memory import host_zeros, transparent_huge_pages
 from dd_sglang.prefetch.selectors import SpecHostSelector
+from harness.server import ROOT
 
 LAYERS, HKV, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M
 CHUNK = 10  # layers per call, the default's chunk

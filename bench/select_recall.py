@@ -39,10 +39,10 @@ import time
 import torch
 
 from bench.ceiling import QueryCapture, load_model
-from bench.texts import available_texts, text
 from dd_sglang.kernels import native
 from dd_sglang.prefetch.index import QuantKeyIndex
 from dd_sglang.prefetch.scoring import row_blocks
+from harness.texts import available_texts, text
 
 N_SINK, N_RECENT, BLOCK = 4, 128, 16
 #: Prompt tokens per prefill forward (HF transformers, plain causal attention over the cache).
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="YaRN RoPE factor for contexts past SmolLM2's 8,192 (e.g. 2 for 16k, 4 for 32k)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from bench.client import check_ranges
+    from bench.cli import check_ranges
 
     check_ranges(ap, args, (("k", 1, 4096), ("steps", 1, 1000), ("rerank", 1.0, 64.0)))
     if any(b < math.ceil(args.rerank * args.k) + 32 for b in args.budgets):
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:16s} recall {v['recall_vs_exact']['mean']:.4f} ({v['of_full_scan']:.4f} of full) "
                   f"index read {v['index_read']:.3f}  {v['select_ms_all_layers']} ms")  # fmt: skip
     if args.out:
-        from bench.client import write_result
+        from bench.cli import write_result
 
         write_result(out, args.out, dtype="float32")  # the model (HF, float32); the host tier holds bfloat16
     return 0

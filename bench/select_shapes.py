@@ -63,8 +63,8 @@ def smollm2_source(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers import AutoTokenizer, DynamicCache
 
     from bench.ceiling import QueryCapture, load_model
-    from bench.texts import available_texts, text
     from dd_sglang.models.smollm2 import prepare_model
+    from harness.texts import available_texts, text
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     model = load_model()
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-step-ms", type=float, default=20.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from bench.client import check_ranges
+    from bench.cli import check_ranges
 
     check_ranges(ap, args, (("k", 1, 4096), ("layers", 1, 64), ("repeats", 1, 100), ("source_tokens", 1000, 8000),
                             ("gpu_step_ms", 0.1, 10_000.0)))  # fmt: skip
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
            "rerank": args.rerank, "layers_measured": args.layers, "gpu_step_ms": args.gpu_step_ms, "runs": runs,
            "seconds": round(time.time() - t0, 1)}  # fmt: skip
     if args.out:
-        from bench.client import write_result
+        from bench.cli import write_result
 
         write_result(out, args.out, dtype="float32")  # the model (HF, float32); the host tier holds bfloat16
     return 0

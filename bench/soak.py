@@ -16,7 +16,7 @@ is the same launcher without it), then sends ``--requests`` requests in rounds o
 from ``--clients`` concurrent clients (OpenAI ``/v1/completions``):
 
 * a prompt of a uniform ``--words`` (inclusive range) whitespace-split words of Debian's licence
-  texts (:func:`bench.texts.license_words`) from a random start; or, with ``--tokens MIN MAX``
+  texts (:func:`harness.texts.license_words`) from a random start; or, with ``--tokens MIN MAX``
   (issue 52's mix), a uniform number of tokens in that range, cut from those texts tokenised once
   with the embedded model's tokenizer and sent as token ids, so nearly every request is a prompt
   length the server has not seen;
@@ -62,34 +62,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.client import check_ranges, write_result
+from bench.cli import check_ranges, write_result
 from bench.machine import measured
-from bench.server import ServerProcess, launch_server, scrape
+from harness.server import ROLES, ServerProcess, launch_server, role_of, scrape
 
-ROLES = ("launcher", "tokenizer_manager", "scheduler", "detokenizer", "sidecar", "other")
 MiB = 1024**2
 #: Sampling of every request (answered and streamed alike).
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
-
-
-def role_of(proc: psutil.Process, launcher_pid: int) -> str:
-    """The role of one process of a server's tree, from its pid and command line (SGLang names its
-    scheduler and detokenizer processes ``sglang::scheduler...`` / ``sglang::detokenizer``)."""
-    if proc.pid == launcher_pid:
-        return "launcher"
-    try:
-        cmd = " ".join(proc.cmdline())
-    except psutil.Error:
-        return "other"
-    if "dd_sglang.metrics.sidecar" in cmd:
-        return "sidecar"
-    if "scheduler" in cmd:
-        return "scheduler"
-    if "detokenizer" in cmd:
-        return "detokenizer"
-    if "sglang.launch_server" in cmd:
-        return "tokenizer_manager"  # SGLang's main process: HTTP server and tokenizer manager
-    return "other"
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -144,12 +123,12 @@ def prompt_tokens(rng: random.Random, ids: list[int], lo: int, hi: int) -> list[
 
 
 def license_token_ids() -> list[int]:
-    """Debian's licence texts (:func:`bench.texts.license_words`, space-joined) as the embedded
+    """Debian's licence texts (:func:`harness.texts.license_words`, space-joined) as the embedded
     model's token ids."""
     from transformers import AutoTokenizer
 
-    from bench.texts import license_words
     from dd_sglang.models.smollm2 import prepare_model
+    from harness.texts import license_words
 
     tok = AutoTokenizer.from_pretrained(prepare_model(progress=False))
     return tok.encode(" ".join(license_words()))
@@ -278,7 +257,7 @@ def server_args(backend: str, tmp: Path, args) -> list[str]:
     """SGLang/dd flags of the soak's server (module docstring); the preset is written under ``tmp``."""
     import yaml
 
-    from bench.server import ROOT
+    from harness.server import ROOT
 
     preset = yaml.safe_load((ROOT / "configs" / "cpu-smollm2.yaml").read_text())
     preset["name"] = "soak"
@@ -291,7 +270,7 @@ def server_args(backend: str, tmp: Path, args) -> list[str]:
 
 def run(args) -> dict:
     """Start the server, send the rounds, sample after each, stop; the JSON's figures (module docstring)."""
-    from bench.texts import license_words
+    from harness.texts import license_words
 
     words = license_words()
     ids = license_token_ids() if args.tokens else None

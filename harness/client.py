@@ -1,17 +1,16 @@
-"""HTTP client helpers shared by the quality benchmarks: servers by URL, requests, per-request counters.
+"""HTTP client helpers shared by the tests and the benchmarks: servers by URL, the presets they run,
+requests, per-request counters.
 
 Everything here goes through the public interface only: SGLang's ``/generate``
-and the sidecar's ``/metrics`` (:func:`bench.server.scrape`). A benchmark either
-starts its own servers (:func:`bench.server.start_server`) or is handed the URLs
+and the sidecar's ``/metrics`` (:func:`harness.server.scrape`). A benchmark either
+starts its own servers (:func:`harness.server.start_server`) or is handed the URLs
 of running ones (``--dense-url``, ``--dd-url`` and ``--dd-metrics-url``), e.g.
 the test session's.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.server import ROOT, scrape, start_server
-from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
+from harness.server import ROOT, scrape, start_server
+from harness.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
 
+#: The served model name of the embedded model (what ``/v1/*`` requests name).
+MODEL = "smollm2-135m-instruct"
 #: Flags every benchmark server gets: teacher forcing needs custom logit processors.
 COMMON_FLAGS = ["--enable-custom-logit-processor"]
 #: Extra flags of a dense (torch_native) benchmark server. Teacher forcing reads the step's index from
@@ -150,7 +151,7 @@ def generate(ep: Endpoint, ids: list[int], n_new: int, sampling: dict | None = N
     """One ``/generate`` request; returns the response JSON plus ``seconds`` (wall time).
 
     ``force``: teacher-force the output to these ids with
-    :class:`bench.teacher_force.ForceTokensScored` (greedy; the response then
+    :class:`harness.teacher_force.ForceTokensScored` (greedy; the response then
     carries the carrier log-probabilities, see :func:`forced_scores`).
     """
     sp = {"temperature": 0, **(sampling or {}), "max_new_tokens": n_new, "custom_params": dict(custom or {})}
@@ -261,56 +262,9 @@ def n_layers_of_model() -> int:
     return int(json.loads((prepare_model(progress=False) / "config.json").read_text())["num_hidden_layers"])
 
 
-def write_result(result: dict, path: str | Path, dtype: str | None = None) -> None:
-    """Write a benchmark's result as indented JSON to ``path`` (parent folders created) and print where.
-
-    The file starts with the result's ``provenance`` block (:func:`bench.machine.provenance`:
-    commit, date, command, versions, one machine block); what a ``provenance`` the result brings
-    states (taken before the run) wins over what is taken now. The bench's own ``machine`` field (speed probes, :func:`bench.machine.describe`) moves into that
-    block's ``machine``; its ``command`` is kept and copied there. ``dtype``: the model dtype the
-    benchmark ran in; default the result's ``dtype`` (or ``settings.dtype``), else the dtype the
-    launcher chooses on this host (:func:`dd_sglang.platform.dtype.default_dtype`) on a CPU host.
-    """
-    from bench import machine
-
-    body = dict(result)
-    given = body.pop("provenance", None) or {}
-    probes = body.pop("machine", None)
-    if probes is not None and not isinstance(probes, dict):
-        probes = {"description": probes}
-    if dtype is None:
-        dtype = body.get("dtype") or (body.get("settings") or {}).get("dtype")
-    if dtype is None and machine.gpu_name() is None:
-        from dd_sglang.platform.dtype import default_dtype
-
-        dtype = default_dtype()
-    prov = machine.provenance(body.get("command"), dtype, probes)
-    # A block taken earlier (bench.machine.measured: before the run) keeps its commit and date.
-    prov.update({k: v for k, v in given.items() if k != "machine" and v is not None})
-    prov["machine"].update({k: v for k, v in (given.get("machine") or {}).items() if v is not None})
-    body = {"provenance": prov, **body}
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(body, indent=1) + "\n")
-    print(f"-> {out}")
-
-
-def check_ranges(ap, args, ranges: tuple[tuple[str, float, float], ...]) -> None:
-    """Stop with ``ap.error`` (exit code 2) naming the first ``--flag`` of ``ranges`` (``(dest, lo, hi)``,
-    inclusive) whose value in ``args`` lies outside ``[lo, hi]``."""
-    for name, lo, hi in ranges:
-        if not lo <= getattr(args, name) <= hi:
-            ap.error(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {getattr(args, name)}")
-
-
-def long_request_parser(prog: str, doc: str, out: str, requests: int, prompt_tokens: int):
-    """An ``argparse.ArgumentParser`` for a bench that sends long passkey requests to one server, with
-    the flags such benches share: ``--out`` (JSON path), ``--requests``, ``--prompt-tokens``
-    (:func:`bench.prompts.passkey_prompt`'s size target) and ``--max-total-tokens`` (device KV pool,
-    tokens, default 8,400), defaults as given; ``doc`` (the module docstring) is its description."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=out)
-    ap.add_argument("--requests", type=int, default=requests)
-    ap.add_argument("--prompt-tokens", type=int, default=prompt_tokens, help="passkey_prompt size target")
-    ap.add_argument("--max-total-tokens", type=int, default=8400, help="device KV pool (tokens)")
-    return ap
+def post_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 900.0) -> httpx.Response:
+    """A greedy ``/v1/chat/completions`` request that continues the final (assistant) message;
+    the raw response (its status unchecked). ``timeout`` in seconds."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "continue_final_message": True}  # fmt: skip
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)

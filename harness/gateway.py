@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.server import ROOT, free_port, scrape, terminate
 from dd_sglang.launch_router import healthy_workers
+from harness.server import ROOT, free_port, scrape, terminate
 
 #: SGLang's counter of finished requests (tokenizer manager), read from each worker's sidecar.
 REQUESTS_SERIES = "sglang:num_requests_total"

@@ -337,3 +337,27 @@ def start_server(
             (the message carries the log tail).
     """
     return launch_server(log_path, max_total_tokens, extra_args, api_key, env, cwd).wait_ready(timeout)
+
+
+#: The roles of a server's processes (:func:`role_of`).
+ROLES = ("launcher", "tokenizer_manager", "scheduler", "detokenizer", "sidecar", "other")
+
+
+def role_of(proc: psutil.Process, launcher_pid: int) -> str:
+    """The role of one process of a server's tree, from its pid and command line (SGLang names its
+    scheduler and detokenizer processes ``sglang::scheduler...`` / ``sglang::detokenizer``)."""
+    if proc.pid == launcher_pid:
+        return "launcher"
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    if "dd_sglang.metrics.sidecar" in cmd:
+        return "sidecar"
+    if "scheduler" in cmd:
+        return "scheduler"
+    if "detokenizer" in cmd:
+        return "detokenizer"
+    if "sglang.launch_server" in cmd:
+        return "tokenizer_manager"  # SGLang's main process: HTTP server and tokenizer manager
+    return "other"

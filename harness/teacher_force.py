@@ -6,7 +6,7 @@ before sampling (``--enable-custom-logit-processor``; the request sends
 ``sampling_params.custom_params["force_ids"]``). Output token ``j`` becomes
 ``force_ids[j]``: the decode follows the real text while the speculators still
 guess from the model, which is DESIGN.md's "teacher-forced real text" regime.
-The class is pickled by reference, so the server imports it from ``bench``
+The class is pickled by reference, so the server imports it from ``harness``
 (the server's working directory is the project root).
 """
 

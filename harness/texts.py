@@ -10,7 +10,7 @@ Three texts, each long enough for an 8k-token window plus a continuation:
   standard library (``pydoc_data.topics``: the text ``help("assert")`` prints),
   topics in name order.
 * ``package_docs``: the long descriptions of the installed packages
-  (``*.dist-info/METADATA``), :func:`bench.prefetch.corpus_text`.
+  (``*.dist-info/METADATA``), :func:`corpus_text`.
 
 Retrieval prompts (:func:`needle_prompt`) hide one fact or pass key at a given
 depth of a window of a text's words and end with the start of the answer, in
@@ -85,6 +85,19 @@ def python_docs() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def corpus_text() -> str:
+    """Real English prose available offline: installed packages' long descriptions."""
+    import site
+
+    texts = []
+    for root in site.getsitepackages():
+        for meta in sorted(Path(root).glob("*.dist-info/METADATA")):
+            body = meta.read_text(errors="ignore").split("\n\n", 1)
+            if len(body) == 2 and len(body[1]) > 2000:
+                texts.append(body[1])
+    return "\n\n".join(texts)[:200_000]  # ~50k tokens, plenty for 8k contexts
+
+
 @functools.cache
 def text(name: str) -> str:
     """One of :data:`TEXTS` as a string.
@@ -98,8 +111,6 @@ def text(name: str) -> str:
     if name == "python_docs":
         return python_docs()
     if name == "package_docs":
-        from bench.prefetch import corpus_text
-
         return corpus_text()
     raise ValueError(f"text must be one of {list(TEXTS)}, got {name!r}")
 

@@ -27,7 +27,7 @@ Environment: ``DD_LOAD_MIX`` user weights, default ``chat=3,long_doc_qa=2,agent_
 ``DD_LOAD_API_KEY`` (sent as ``Authorization: Bearer``, for servers started with ``--api-key``);
 ``DD_LOAD_TIMEOUT_S`` per-request timeout (default 600).
 
-Prompts are sized without a tokenizer from ``bench.prompts.FILLER_TOKENS`` (asserted against
+Prompts are sized without a tokenizer from ``harness.prompts.FILLER_TOKENS`` (asserted against
 SmolLM2's tokenizer in tests/test_server_e2e.py).
 """
 
@@ -40,7 +40,7 @@ import re
 
 from locust import HttpUser, between, task
 
-from bench.prompts import FILLER, FILLER_TOKENS, INSTRUCTION
+from harness.prompts import FILLER, FILLER_TOKENS, INSTRUCTION
 
 
 def _mix(spec: str) -> dict[str, int]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.server import ROOT, start_server
+from harness.server import ROOT, start_server
 
 
 def _row(name: str, entries: list[dict]) -> dict:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.server import ServerProcess, launch_server
+from harness.server import ServerProcess, launch_server
 from tests.lanes import LANE_1_NICE, make_lane_scheduling, on_this_worker, shared_servers, this_worker
 from tests.servers import LAUNCHERS, booted, boots, serve, stop_and_check, stop_behind, stopping
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.server import ServerProcess
 from dd_sglang.launch_server import TMP_DIR_PREFIX
+from harness.server import ServerProcess
 
 #: Seconds a server may take from its launch to healthy (a loaded 2-core machine: > 300 s).
 START_TIMEOUT_S = 900
@@ -31,7 +31,7 @@ reaper = ThreadPoolExecutor(max_workers=4, thread_name_prefix="server-stop")
 
 def boots(fixture_name: str):
     """Register ``fn(tmp_path_factory, tokenizer) -> ServerProcess`` (from
-    :func:`bench.server.launch_server`) as the launch of the server that fixture
+    :func:`harness.server.launch_server`) as the launch of the server that fixture
     ``fixture_name`` serves with :func:`serve`."""
 
     def register(fn):

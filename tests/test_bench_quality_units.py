@@ -13,7 +13,7 @@ import torch
 from bench.capacity import backend_spec, ratios, round_prompts, steady_decode
 from bench.ceiling import set_scores
 from bench.stats import mean_ci, wilson
-from bench.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
+from harness.teacher_force import CARRIER_IDS, ForceTokensScored, decode_scores
 
 
 def test_wilson_matches_hand_computed_values():
@@ -74,7 +74,7 @@ def test_decode_scores_rejects_unforced_output():
 
 
 def test_needle_prompt_size_depth_and_answer(tokenizer):
-    from bench.texts import needle_prompt
+    from harness.texts import needle_prompt
 
     case = needle_prompt(tokenizer, "python_docs", 1000, 0.25, "fact", 3)
     assert abs(case.n_tokens - 1000) <= 10
@@ -199,10 +199,10 @@ def test_fidelity_refuses_a_bad_preset_key_before_starting_a_server(capsys):
 
 
 def test_set_overrides_are_dotted_preset_keys_on_the_bench_preset():
-    """``--set SECTION.KEY=VALUE`` (``bench.client.parse_sets``): YAML values, applied to the benchmarks' preset,
+    """``--set SECTION.KEY=VALUE`` (``harness.client.parse_sets``): YAML values, applied to the benchmarks' preset,
     which lets requests set the experiment switches they compare."""
-    from bench.client import parse_sets, preset_dict
     from dd_sglang.config import parse_config
+    from harness.client import parse_sets, preset_dict
 
     sets = parse_sets(["prefetch.rerank=4", "experimental.kernel=torch", "experimental.request_overrides=false"])
     assert sets == {"prefetch.rerank": 4, "experimental.kernel": "torch", "experimental.request_overrides": False}

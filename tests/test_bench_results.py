@@ -9,8 +9,8 @@ import re
 import pytest
 
 from bench import machine, report
-from bench.client import write_result
-from bench.server import ROOT
+from bench.cli import write_result
+from harness.server import ROOT
 
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -24,7 +24,7 @@ def _docs() -> list:
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
 def test_every_result_has_provenance(path):
     problems = machine.provenance_problems(json.loads(path.read_text()))
-    assert not problems, f"{path.name}: {problems} (write it with bench.client.write_result)"
+    assert not problems, f"{path.name}: {problems} (write it with bench.cli.write_result)"
 
 
 def test_docs_cite_existing_results_outside_the_archive():

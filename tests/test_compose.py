@@ -18,10 +18,10 @@ import shlex
 import pytest
 import yaml
 
-from bench.server import ROOT
 from dd_sglang.config import load_config
 from dd_sglang.launch_router import parse_router_args
 from dd_sglang.launch_server import flag_value
+from harness.server import ROOT
 
 DOCKER = ROOT / "docker"
 COMPOSE_FILES = ["compose.yaml", "compose.scale.yaml"]

@@ -335,7 +335,7 @@ def sglang_cli(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """The two launcher runs that reach SGLang's own parser (``--help``; a flag SGLang refuses), started
     at once: each spends most of its 20-50 s importing SGLang on one core, so side by side they take
     about the time of one. Keys ``help`` and ``bogus``."""
-    from bench.server import free_port
+    from harness.server import free_port
 
     model = tmp_path_factory.mktemp("model")
     argvs = {

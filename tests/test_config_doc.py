@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from bench.server import ROOT
 from dd_sglang import config, config_doc
+from harness.server import ROOT
 
 DOC = ROOT / "docs" / "configuration.md"
 

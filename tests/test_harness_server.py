@@ -1,4 +1,4 @@
-"""bench.server's port handling: its draws stay out of SGLang's own, and a server whose HTTP port
+"""harness.server's port handling: its draws stay out of SGLang's own, and a server whose HTTP port
 was taken during start-up is relaunched on fresh ports instead of hanging until the timeout."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sglang.srt.utils import network
 
-from bench import server as bs
+from harness import server as bs
 
 
 def test_sglang_draws_its_nccl_port_from_the_range_free_port_skips():

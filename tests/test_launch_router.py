@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from bench.server import ROOT
 from dd_sglang.launch_router import SMG_DEFAULTS, parse_router_args, smg_command
 from dd_sglang.launch_server import cpu_threads_bind, parallel_ranks
+from harness.server import ROOT
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

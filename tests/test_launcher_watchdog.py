@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from bench.server import free_port
+from harness.server import free_port
 
 
 @pytest.mark.server

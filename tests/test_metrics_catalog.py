@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from bench.server import ROOT
 from dd_sglang.metrics.catalog import dashboard_queries, dashboard_series, exported_samples
+from harness.server import ROOT
 
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "dd_sglang.json"
 

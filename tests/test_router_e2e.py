@@ -25,11 +25,11 @@ import httpx
 import pytest
 import yaml
 
-from bench.gateway import served_by, start_gateway
-from bench.prompts import FILLER, INSTRUCTION, passkey_prompt
-from bench.routing import post_chat
-from bench.server import ROOT, scrape
 from dd_sglang.launch_router import healthy_workers
+from harness.client import post_chat
+from harness.gateway import served_by, start_gateway
+from harness.prompts import FILLER, INSTRUCTION, passkey_prompt
+from harness.server import ROOT, scrape
 from tests.servers import stop_behind
 
 pytestmark = pytest.mark.server

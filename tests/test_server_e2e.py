@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from bench.prompts import passkey_prompt
-from bench.server import scrape
+from harness.prompts import passkey_prompt
+from harness.server import scrape
 
 pytestmark = pytest.mark.server
 
@@ -250,7 +250,7 @@ def test_locust_scenarios_run_clean(server, tokenizer, tmp_path):
     import sys
 
     # Locust is never imported here: it monkey-patches the process (gevent).
-    from bench.prompts import FILLER, FILLER_TOKENS
+    from harness.prompts import FILLER, FILLER_TOKENS
 
     assert len(tokenizer.encode(FILLER)) == FILLER_TOKENS
     prefix = tmp_path / "load"

@@ -7,6 +7,7 @@ import pytest
 
 from bench import soak
 from dd_sglang.platform import ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_ENVS, bounded_cache_env
+from harness.server import ROLES
 
 MiB = 1024**2
 
@@ -18,7 +19,7 @@ def test_bounded_cache_env_sets_both_caps_and_keeps_the_users():
 
 
 def _row(n: int, scheduler_mib: float) -> dict:
-    rss = dict.fromkeys(soak.ROLES, 100 * MiB) | {"scheduler": int(scheduler_mib * MiB)}
+    rss = dict.fromkeys(ROLES, 100 * MiB) | {"scheduler": int(scheduler_mib * MiB)}
     return {"requests": n, "rss": rss, "rss_anon": rss}
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client import COMMON_FLAGS, bench_preset
-from bench.server import ServerProcess, launch_server
+from harness.client import COMMON_FLAGS, bench_preset
+from harness.server import ServerProcess, launch_server
 from tests.servers import boots, serve
 
 #: Device KV pool of the package's server (tokens): two ~2k dense requests fit, three do not (the

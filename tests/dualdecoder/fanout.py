@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from bench.server import ServerProcess, flush_when_idle, scrape
+from harness.server import ServerProcess, flush_when_idle, scrape
 
 
 def run_at_once(calls: list[Callable[[], dict]]) -> list[dict | None]:

@@ -25,8 +25,8 @@ import time
 import httpx
 import pytest
 
-from bench.prompts import passkey_prompt
-from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
+from harness.prompts import passkey_prompt
+from harness.server import delta, flush_when_idle, scrape, transitions, wait_idle
 
 from .conftest import CAP
 from .fanout import assert_back_at_baseline, run_at_once_sampled

@@ -8,9 +8,9 @@ run takes its dense reference from the ``dualdecoder`` server at full top_k
 (``--dense full_top_k``): teacher forcing needs overlap scheduling off, which
 the session's dense server keeps on.
 
-* Issue 10's input (built exactly as the issue says, :func:`bench.texts.issue10_prompt`):
+* Issue 10's input (built exactly as the issue says, :func:`harness.texts.issue10_prompt`):
   dense, the default sparse configuration and ``oracle`` must answer "Leopold".
-* The carrier trick of :class:`bench.teacher_force.ForceTokensScored` returns the
+* The carrier trick of :class:`harness.teacher_force.ForceTokensScored` returns the
   model's own log-probabilities of forced tokens: on the dense server they equal
   SGLang's prefill log-probabilities of the same tokens.
 * ``bench.fidelity --quick``, ``bench.prediction --quick`` and ``bench.report``
@@ -25,8 +25,8 @@ import re
 import httpx
 import pytest
 
-from bench.client import Endpoint, forced_scores, generate, prefill_logprobs
-from bench.texts import LICENSES, issue10_prompt, text
+from harness.client import Endpoint, forced_scores, generate, prefill_logprobs
+from harness.texts import LICENSES, issue10_prompt, text
 
 pytestmark = pytest.mark.server
 N_LAYERS = 30  # SmolLM2-135M

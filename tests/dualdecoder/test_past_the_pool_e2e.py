@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from bench.prompts import passkey_prompt
-from bench.server import flush_when_idle, scrape, transitions, wait_idle
+from harness.prompts import passkey_prompt
+from harness.server import flush_when_idle, scrape, transitions, wait_idle
 from tests.reliability.geometry import Sampler, kv_bytes_per_token
 
 from .conftest import CAP

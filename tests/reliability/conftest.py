@@ -31,8 +31,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from bench.prompts import passkey_prompt
-from bench.server import ROOT, ServerProcess, launch_server
+from harness.prompts import passkey_prompt
+from harness.server import ROOT, ServerProcess, launch_server
 from tests.servers import boots, serve
 
 from .geometry import API_KEY, CAP, GROWTH_PROMPT, N_RECENT, N_SINK, PAGE, host_pages, kv_bytes_per_token

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from bench.server import scrape
+from harness.server import scrape
 
 API_KEY = "dd-reliability-key"
 CAP = 4096  # device pool tokens

@@ -15,7 +15,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.server import scrape
+from harness.server import scrape
 
 pytestmark = pytest.mark.server
 

@@ -15,8 +15,8 @@ import uuid
 import httpx
 import pytest
 
-from bench.prompts import passkey_prompt
-from bench.server import delta, flush_when_idle, scrape, transitions, wait_idle
+from harness.prompts import passkey_prompt
+from harness.server import delta, flush_when_idle, scrape, transitions, wait_idle
 
 from .geometry import N_LAYERS, PAGE, RESIDENT_BOUND, Sampler, host_pages
 

@@ -14,9 +14,9 @@ import psutil
 import pytest
 import yaml
 
-from bench.prompts import passkey_prompt
-from bench.server import ROOT, free_port, scrape, wait_idle
 from dd_sglang.metrics.catalog import dashboard_series
+from harness.prompts import passkey_prompt
+from harness.server import ROOT, free_port, scrape, wait_idle
 
 from .geometry import API_KEY, Sampler
 

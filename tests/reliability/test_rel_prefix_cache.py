@@ -12,8 +12,8 @@ import uuid
 import httpx
 import pytest
 
-from bench.prompts import passkey_prompt
-from bench.server import delta, flush_when_idle, scrape, wait_idle
+from harness.prompts import passkey_prompt
+from harness.server import delta, flush_when_idle, scrape, wait_idle
 from tests.dualdecoder.test_fidelity_e2e import BF16_LOGPROB_TOL  # the bound on one token's bf16 rounding
 
 pytestmark = pytest.mark.server

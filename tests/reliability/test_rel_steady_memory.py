@@ -27,9 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.server import scrape
-from bench.soak import role_of
 from dd_sglang.platform import ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_ENVS
+from harness.server import role_of, scrape
 
 pytestmark = pytest.mark.server
 MiB = 1024**2
