@@ -19,7 +19,8 @@
   ``max_new_tokens`` to what the pool holds beside the whole prompt is undone: only the context
   (``max_req_len``) bounds it.
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
-  idle baseline after the last request.
+  idle baseline after the last request; and, on the CPU platform, one heap trim when prefills ran
+  since the last (:func:`dd_sglang.platform.heap.when_scheduler_idle`).
 * ``Scheduler.maybe_sleep_on_idle`` (BEFORE): with ``--sleep-on-idle`` the
   scheduler blocks here until the next request; publish unthrottled first, so
   the gauges show the idle state while it sleeps.
@@ -65,8 +66,10 @@ def Scheduler_process_batch_result(result, self, *args, **kwargs):
 
 
 def Scheduler_on_idle(result, self, *args, **kwargs):
+    from dd_sglang.platform.heap import when_scheduler_idle
     from dd_sglang.plugin.runtime import refresh_scheduler_metrics
 
+    when_scheduler_idle()
     refresh_scheduler_metrics(self)
 
 

@@ -47,11 +47,25 @@ def test_trimmer_trims_at_most_once_per_interval():
     assert (trimmer.trims, trimmer.released, trimmer.seconds) == (3, 3, 0.75)
 
 
+def test_trimmer_trims_once_when_idle_behind_a_prefill():
+    clock, calls = _Clock(), []
+    trimmer = HeapTrimmer(5.0, clock=clock, trim=lambda: calls.append(clock.t) or True)
+    clock.t = 101.0
+    assert trimmer.when_idle() is False  # no prefill yet
+    assert trimmer.after_prefill() is False  # within 5 s of construction: left behind
+    clock.t = 102.0
+    assert [trimmer.when_idle(), trimmer.when_idle()] == [True, False]  # once per idle spell
+    clock.t = 110.0
+    assert trimmer.after_prefill() is True  # 8 s since the idle trim
+    assert trimmer.when_idle() is False  # nothing behind it
+    assert calls == [102.0, 110.0] and trimmer.trims == 2
+
+
 def test_trimmer_off_never_trims():
     clock = _Clock()
     trimmer = HeapTrimmer(0.0, clock=clock, trim=lambda: pytest.fail("trimmed while off"))
     clock.t = 1e9
-    assert trimmer.after_prefill() is False and trimmer.trims == 0
+    assert trimmer.after_prefill() is False and trimmer.when_idle() is False and trimmer.trims == 0
 
 
 def test_trim_interval_from_the_environment():

@@ -9,7 +9,9 @@ heap glibc kept (``mallinfo2().fordblks``) 209 MiB (``docs/operations-memory.md`
 (``madvise(MADV_DONTNEED)``, malloc/malloc.c ``mtrim``); the next allocation there faults fresh
 zeroed pages back in, which is what a trim costs.
 
-:class:`HeapTrimmer` calls it after a prefill batch, at most once per ``interval_s`` seconds;
+:class:`HeapTrimmer` calls it after a prefill batch, at most once per ``interval_s`` seconds, and once
+when the scheduler goes idle after prefills it did not trim behind (so an idle server holds no
+prefill's freed buffers);
 :func:`trim_heap` is also what :meth:`dd_sglang.platform.cpu.TorchCpuPlatform.empty_cache` does,
 so SGLang's own calls (idle sleep with ``SGLANG_EMPTY_CACHE_INTERVAL``, ``flush_cache``) return the
 heap too. Under an allocator other than glibc's (tcmalloc or jemalloc through ``LD_PRELOAD``, musl)
@@ -102,6 +104,7 @@ class HeapTrimmer:
         self.trims = 0
         self.released = 0
         self.seconds = 0.0
+        self._behind = False  # a prefill ran since the last trim
 
     def after_prefill(self) -> bool:
         """Called after each prefill (extend) batch: trim when on and ``interval_s`` has passed
@@ -110,11 +113,23 @@ class HeapTrimmer:
             return False
         now = self._clock()
         if now - self._last < self.interval_s:
+            self._behind = True
             return False
+        return self._run(now)
+
+    def when_idle(self) -> bool:
+        """Called while the scheduler has no batch to run: trim when on and a prefill ran since the
+        last trim (once per such idle spell). Returns whether it trimmed."""
+        if self.interval_s <= 0 or not self._behind:
+            return False
+        return self._run(self._clock())
+
+    def _run(self, now: float) -> bool:
         self.released += bool(self._trim())
         self.trims += 1
         self._last = self._clock()  # after the trim: its own time does not count toward the next
         self.seconds += self._last - now
+        self._behind = False
         return True
 
 
@@ -138,3 +153,10 @@ def after_prefill_batch() -> bool:
     :func:`scheduler_trimmer` on this package's CPU platform; nothing on any other platform (a GPU
     server's host heap is left to its own allocator settings). Returns whether it trimmed."""
     return on_cpu_platform() and scheduler_trimmer().after_prefill()
+
+
+def when_scheduler_idle() -> bool:
+    """The scheduler's call while it has no batch: :meth:`HeapTrimmer.when_idle` of
+    :func:`scheduler_trimmer` on this package's CPU platform, nothing elsewhere. Returns whether it
+    trimmed."""
+    return on_cpu_platform() and scheduler_trimmer().when_idle()
