@@ -22,8 +22,10 @@
   idle baseline after the last request; and, on the CPU platform, one heap trim when prefills ran
   since the last (:func:`dd_sglang.platform.heap.when_scheduler_idle`).
 * ``Scheduler.maybe_sleep_on_idle`` (BEFORE): with ``--sleep-on-idle`` the
-  scheduler blocks here until the next request; publish unthrottled first, so
-  the gauges show the idle state while it sleeps.
+  scheduler blocks here (inside ``on_idle``) until the next request or for up to
+  1 s; trim the heap first when prefills ran since the last trim (so an idle
+  server's memory is returned before it sleeps, not after), and publish
+  unthrottled, so the gauges show the idle state while it sleeps.
 
 A failure inside a metrics update is logged once and never reaches the scheduler loop.
 """
@@ -74,8 +76,10 @@ def Scheduler_on_idle(result, self, *args, **kwargs):
 
 
 def Scheduler_maybe_sleep_on_idle(self, *args, **kwargs):
+    from dd_sglang.platform.heap import when_scheduler_idle
     from dd_sglang.plugin.runtime import refresh_scheduler_metrics
 
+    when_scheduler_idle()
     if getattr(self, "idle_sleeper", None) is not None:
         refresh_scheduler_metrics(self, force=True)
 
