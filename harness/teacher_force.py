@@ -16,18 +16,24 @@ import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 
+def forced_rows(custom_param_list) -> list[tuple[int, int]]:
+    """``(row, forced token id)`` of each batch row that is forced at this step: its request sent
+    ``force_ids`` and has produced fewer tokens than it lists (the id is ``force_ids[len(req.output_ids)]``)."""
+    rows = []
+    for i, params in enumerate(custom_param_list or []):
+        ids, req = params.get("force_ids"), params.get("__req__")
+        if ids and req is not None and len(req.output_ids) < len(ids):
+            rows.append((i, int(ids[len(req.output_ids)])))
+    return rows
+
+
 class ForceTokens(CustomLogitProcessor):
     """Set every logit to -inf except ``force_ids[len(req.output_ids)]`` (while ids remain)."""
 
     def __call__(self, logits: torch.Tensor, custom_param_list=None) -> torch.Tensor:
-        for i, params in enumerate(custom_param_list or []):
-            ids, req = params.get("force_ids"), params.get("__req__")
-            if not ids or req is None:
-                continue
-            j = len(req.output_ids)
-            if j < len(ids):
-                logits[i].fill_(float("-inf"))
-                logits[i, int(ids[j])] = 0.0
+        for i, f in forced_rows(custom_param_list):
+            logits[i].fill_(float("-inf"))
+            logits[i, f] = 0.0
         return logits
 
 
@@ -64,20 +70,14 @@ class ForceTokensScored(CustomLogitProcessor):
     """
 
     def __call__(self, logits: torch.Tensor, custom_param_list=None) -> torch.Tensor:
-        for i, params in enumerate(custom_param_list or []):
-            ids, req = params.get("force_ids"), params.get("__req__")
-            if not ids or req is None:
-                continue
-            j = len(req.output_ids)
-            if j < len(ids):
-                f = int(ids[j])
-                lp = torch.log_softmax(logits[i].float(), dim=-1)
-                a, b = [c for c in CARRIER_IDS if c != f][:2]
-                lp_f, lp_max = float(lp[f]), float(lp.max())
-                logits[i].fill_(float("-inf"))
-                logits[i, f] = 1.0
-                logits[i, a] = lp_f
-                logits[i, b] = lp_max
+        for i, f in forced_rows(custom_param_list):
+            lp = torch.log_softmax(logits[i].float(), dim=-1)
+            a, b = [c for c in CARRIER_IDS if c != f][:2]
+            lp_f, lp_max = float(lp[f]), float(lp.max())
+            logits[i].fill_(float("-inf"))
+            logits[i, f] = 1.0
+            logits[i, a] = lp_f
+            logits[i, b] = lp_max
         return logits
 
 

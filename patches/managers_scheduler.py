@@ -20,7 +20,10 @@
   (``max_req_len``) bounds it.
 * ``Scheduler.on_idle`` (AFTER): the same while idle, so gauges return to the
   idle baseline after the last request; and, on the CPU platform, one heap trim when prefills ran
-  since the last (:func:`dd_sglang.platform.heap.when_scheduler_idle`).
+  since the last (:func:`dd_sglang.platform.heap.when_scheduler_idle`). SGLang returns from
+  ``on_idle`` early, without ``maybe_sleep_on_idle``, while requests wait but no batch runs (a
+  stall): this call covers that case; when fully idle the trim already ran before the sleep and
+  this one finds nothing behind.
 * ``Scheduler.maybe_sleep_on_idle`` (BEFORE): with ``--sleep-on-idle`` the
   scheduler blocks here (inside ``on_idle``) until the next request or for up to
   1 s; trim the heap first when prefills ran since the last trim (so an idle
