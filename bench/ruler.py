@@ -4,7 +4,7 @@ Usage::
 
     python -m bench.ruler [--lengths 2048,4096,7680] [--samples 50] [--configs dense,default,host_sync,oracle]
                           [--task niah_single_1] [--floor] [--url URL] [--concurrency 4]
-                          [--out bench/results/ruler_<host class>.json] [--plot PNG]
+                          [--out bench/results/ruler_<host class>.json] [--plot PNG] [--extend RESULT]
 
 RULER's synthetic tasks (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your
 Long-Context Language Models?") as lm-eval 0.4.13 implements them: the haystacks and needles of
@@ -31,7 +31,9 @@ configuration), the share answered with a Wilson 95% interval, and against ``hos
 same samples the samples each answered and the other did not. One length per lm-eval run
 (``--limit`` takes the first N rows of the whole generated set). ``--floor`` adds one dense run of
 ``niah_multikey_2`` and ``ruler_vt`` at 4,096 tokens, where the 135M model sits at its floor: to
-show it, not to judge the sparse path.
+show it, not to judge the sparse path. ``--extend RESULT`` grows an earlier result to ``--samples``
+per cell: it keeps that run's answers and runs only the generated set's next samples (lm-eval's
+``samples`` indices), so a long cell need not be run again from its first sample.
 """
 
 from __future__ import annotations
@@ -144,11 +146,14 @@ def _no_loglikelihood(lm, requests, disable_tqdm=False):
 
 
 def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samples: int, config: str,
-             max_gen_toks: int) -> list[dict]:  # fmt: skip
-    """One lm-eval evaluation of ``task`` at ``length`` tokens, answered with configuration ``config``.
+             max_gen_toks: int, first: int = 0) -> list[dict]:  # fmt: skip
+    """One lm-eval evaluation of ``task`` at ``length`` tokens, answered with configuration ``config``:
+    samples ``first`` .. ``first + samples - 1`` of the generated set (lm-eval's ``samples`` indices when
+    ``first`` > 0, its ``limit`` otherwise).
 
     Returns one record per sample: ``{"doc_id", "score", "answer", "target"}`` (score in [0, 1],
-    lm-eval's own ``process_results`` value for that length).
+    lm-eval's own ``process_results`` value for that length; ``doc_id`` the sample's index in the
+    generated set, as lm-eval 0.4.13 logs it for ``samples`` indices too).
 
     Raises:
         RuntimeError: lm-eval returned no sample of ``task``.
@@ -157,12 +162,13 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     from lm_eval.tasks import TaskManager
 
     lm.current = config
+    pick = {"samples": {task: list(range(first, first + samples))}} if first else {"limit": samples}
     out = lm_eval.simple_evaluate(
         model=lm.lm,
-        tasks=[niah_single_1_spec(samples) if task == "niah_single_1" else task],
+        tasks=[niah_single_1_spec(first + samples) if task == "niah_single_1" else task],
         task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer,
                                            "pretrained": tokenizer}),  # fmt: skip
-        limit=samples,
+        **pick,
         gen_kwargs={"max_gen_toks": max_gen_toks},
         log_samples=True,
         random_seed=0,
@@ -244,6 +250,40 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def load_prior(path: Path, args, lengths: list[int], configs: list[str]) -> dict:
+    """The result ``--extend`` names, checked to hold the cells this run extends.
+
+    Every (length, configuration) asked must hold the same number of per-sample records, numbered
+    0 .. n-1, with n below ``args.samples``, from a run of the same task, preset and ``max_gen_toks``.
+
+    Raises:
+        ValueError: the file is missing or unreadable, or a check above fails (the message names it).
+    """
+    import json
+
+    try:
+        prior = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    for key in ("task", "preset", "max_gen_toks"):
+        if prior.get(key) != getattr(args, key):
+            raise ValueError(f"{path} has {key} {prior.get(key)!r}, this run {getattr(args, key)!r}")
+    counts = set()
+    for length in lengths:
+        for name in configs:
+            recs = prior.get("per_sample", {}).get(str(length), {}).get(name)
+            if recs is None:
+                raise ValueError(f"{path} holds no per-sample answers for length {length}, configuration {name}")
+            if [r["doc_id"] for r in recs] != list(range(len(recs))):
+                raise ValueError(f"{path}: samples of length {length}, {name} are not numbered 0..{len(recs) - 1}")
+            counts.add(len(recs))
+    if len(counts) != 1:
+        raise ValueError(f"{path}: its cells hold different sample counts {sorted(counts)}")
+    if (n := counts.pop()) >= args.samples:
+        raise ValueError(f"{path} already holds {n} samples per cell; --samples must exceed it, got {args.samples}")
+    return prior
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ruler", description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="2048,4096,7680", help="comma list of RULER sequence lengths (tokens)")
@@ -263,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gen-toks", type=int, default=48, help="tokens generated per sample (the task's 128, cut)")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/ruler_<host class>.json)")
     ap.add_argument("--plot", default=None, help="PNG (default: the JSON's path with .png)")
+    ap.add_argument("--extend", default=None, metavar="RESULT",
+                    help="a result of this bench holding every (length, configuration) asked with fewer than "
+                         "--samples samples: run only the samples it lacks (the generated set's next ones) and "
+                         "write the merged result (--out defaults to RESULT)")  # fmt: skip
     args = ap.parse_args(argv)
     from bench.cli import check_ranges
 
@@ -285,10 +329,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs must name configurations of {list(CONFIGS)}, got {args.configs!r}")
     if args.task not in TASKS:
         ap.error(f"--task must be one of {list(TASKS)}, got {args.task!r}")
+    prior = None
+    if args.extend:
+        try:
+            prior = load_prior(Path(args.extend), args, lengths, configs)
+        except ValueError as err:
+            ap.error(f"--extend: {err}")
     from bench import machine
     from dd_sglang.models.smollm2 import prepare_model
 
-    out = Path(args.out or f"bench/results/ruler_{machine.host_class(machine.host().get('cpu_model'))}.json")
+    out = Path(args.out or args.extend or f"bench/results/ruler_{machine.host_class(machine.host().get('cpu_model'))}.json")
     tokenizer = str(prepare_model(progress=False))
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     command = "python -m bench.ruler " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -310,13 +360,19 @@ def main(argv: list[str] | None = None) -> int:
         lm = FanOutCompletions(url, {name: CONFIGS[name] for name in configs}, args.max_gen_toks, args.concurrency)
         for length in lengths:
             per = {}
+            old = prior["per_sample"][str(length)] if prior else {}
+            first = len(next(iter(old.values()))) if old else 0
             for name in configs:
                 t1 = time.monotonic()
-                per[name] = run_task(lm, tokenizer, args.task, length, args.samples, name, args.max_gen_toks)
+                per[name] = list(old.get(name, [])) + run_task(lm, tokenizer, args.task, length, args.samples - first,
+                                                               name, args.max_gen_toks, first)  # fmt: skip
                 print(f"{args.task} {length} {name}: {sum(r['score'] >= 1 for r in per[name])}/{len(per[name])} "
                       f"({time.monotonic() - t1:.0f} s)", flush=True)  # fmt: skip
             for name in configs:
                 reported = [n for (c, _), n in lm.prompt_tokens.items() if c == name]
+                before = next((c.get("prompt_tokens_reported") for c in (prior or {}).get("cells", [])
+                               if c["length"] == length and c["config"] == name), None)  # fmt: skip
+                reported += before or []
                 cells.append({"length": length, "config": name, "custom_params": CONFIGS[name],
                               "prompt_tokens_reported": [min(reported), max(reported)] if reported else None,
                               **summarize(per[name], per.get("host_sync") if name != "host_sync" else None,
@@ -343,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
               "command": command, "dtype": dtype, "lm_eval": "0.4.13, greedy /v1/completions (bench.ruler.FanOutCompletions)",
               "seconds": round(time.monotonic() - t0, 1), "cells": cells, "floor": floor,
               "per_sample": samples}  # fmt: skip
+    if prior:
+        result["extends"] = {"command": prior["command"], "seconds": prior.get("seconds"),
+                             "samples": prior["samples"], "provenance": prior.get("provenance"),
+                             "note": "the first samples of every cell are this earlier run's (its answers kept "
+                                     "as recorded); this run answered the rest on one new server"}  # fmt: skip
     write_result(result, out)
     plot(result, Path(args.plot) if args.plot else out.with_suffix(".png"))
     for c in cells:

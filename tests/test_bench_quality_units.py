@@ -328,3 +328,53 @@ def test_context_goals_and_pool_by_hand():
     assert g["sparse_step_growth"] == {"goal": 1.25, "measured": 1.3, "met": False}
     assert g["speedup_at_32000"] == {"goal": 8.0, "measured": 7.033, "met": False}
     assert dense_pool([(1, 32000), (8, 16000)], 64) == 8 * (16000 + 64 + 256) + 512
+
+
+def test_ruler_extension_runs_the_next_samples_of_the_same_generated_set(model_path):
+    """``--extend``: samples 2..3 of a run asked to start at sample 2 (lm-eval's ``samples`` indices) are
+    samples 2..3 of a run of the first 4 (lm-eval's ``limit``), prompts and targets field for field, and
+    their doc ids are their places in the set."""
+    from lm_eval.api.model import LM
+
+    from bench.ruler import run_task
+
+    prompts = {}
+
+    class Recording:
+        current = "dense"
+
+        def __init__(self):
+            def generate(lm, reqs, disable_tqdm=False):
+                prompts.setdefault(self.key, []).extend(r.args[0] for r in reqs)
+                return ["" for _ in reqs]
+
+            self.lm = type("Rec", (LM,), {"generate_until": generate, "loglikelihood": None,
+                                          "loglikelihood_rolling": None})()  # fmt: skip
+
+    rec = Recording()
+    rec.key = "all"
+    whole = run_task(rec, str(model_path), "niah_single_1", 384, 4, "dense", 8)
+    rec.key = "tail"
+    tail = run_task(rec, str(model_path), "niah_single_1", 384, 2, "dense", 8, first=2)
+    assert [r["doc_id"] for r in whole] == [0, 1, 2, 3] and [r["doc_id"] for r in tail] == [2, 3]
+    assert [r["target"] for r in tail] == [r["target"] for r in whole[2:]]
+    assert len(set(map(str, (r["target"] for r in whole)))) == 4  # distinct needles: the comparison can fail
+    assert prompts["tail"] == prompts["all"][2:]
+
+
+def test_ruler_extend_refuses_a_result_it_cannot_grow(tmp_path, capsys):
+    from bench.ruler import main
+
+    prior = {"task": "niah_single_1", "preset": "cpu-smollm2", "max_gen_toks": 24, "samples": 2, "command": "c",
+             "per_sample": {"4096": {"dense": [{"doc_id": 0, "score": 1.0}, {"doc_id": 1, "score": 0.0}],
+                                     "default": [{"doc_id": 0, "score": 1.0}]}}}  # fmt: skip
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(prior))
+    cases = [(["--configs", "dense,default"], "different sample counts [1, 2]"),
+             (["--configs", "dense", "--samples", "2"], "already holds 2 samples per cell"),
+             (["--configs", "dense,spec_host"], "no per-sample answers for length 4096, configuration spec_host"),
+             (["--configs", "dense", "--max-gen-toks", "48"], "has max_gen_toks 24, this run 48")]  # fmt: skip
+    for extra, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["--lengths", "4096", "--max-gen-toks", "24", "--samples", "5", "--extend", str(path), *extra])
+        assert e.value.code == 2 and needle in capsys.readouterr().err, extra
