@@ -106,6 +106,11 @@ class ServerProcess:
     #: working folder first on ``sys.path``); default this one.
     _cwd: Path = ROOT
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The variables added to the launcher's environment (``launch_server``'s ``env``)."""
+        return dict(self._env or {})
+
     def _spawn(self) -> None:
         """Start the launcher on two fresh ports (:func:`free_port`), logging to :attr:`log_path`."""
         port, mport = free_port(), free_port()

@@ -718,3 +718,19 @@ def test_a_prompt_past_the_pool_goes_through_the_host_tier_even_when_it_asked_to
     st = rt.requests["d"]
     assert st.path.history == [PathState.DENSE, PathState.PREFILL_FULL] and st.host_len == 150
     assert SLOTS - alloc.available_size() == 4
+
+
+def test_trace_override_needs_the_servers_trace_directory(monkeypatch):
+    """``dd_trace``: a bool, and true only where the server was started with ``DD_SGLANG_TRACE_DIR``
+    (the refusal names the variable); false is always accepted."""
+    from dd_sglang.kvcache.params import TRACE_DIR_ENV, request_overrides
+
+    sel = ("host_sync",)
+    monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"custom_params.dd_trace: this server writes no attention traces .*{TRACE_DIR_ENV}"):
+        request_overrides({"dd_trace": True}, sel)
+    assert request_overrides({"dd_trace": False}, sel) == {"trace": False}
+    monkeypatch.setenv(TRACE_DIR_ENV, "/tmp/traces")
+    assert request_overrides({"dd_trace": True, "dd_top_k": 64}, sel) == {"trace": True, "top_k": 64}
+    with pytest.raises(ValueError, match="custom_params.dd_trace must be true or false, got 1"):
+        request_overrides({"dd_trace": 1}, sel)

@@ -93,6 +93,7 @@ class Admission:
                     selector=over.get("selector", self.params.selector),
                     speculator=over.get("speculator", self.limits.speculator),
                     miss_policy=over.get("miss_policy"),
+                    trace=over.get("trace", False),
                 ),
                 req=req,
             )

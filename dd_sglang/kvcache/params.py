@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 
 import psutil
@@ -115,6 +116,10 @@ OVERRIDE_SPECULATOR = "dd_speculator"
 OVERRIDE_MISS_POLICY = "dd_miss_policy"
 OVERRIDE_SPARSE = "dd_sparse"
 OVERRIDE_POLICY = "dd_policy"
+#: ``dd_trace: true`` asks for an attention trace of the request (:mod:`dd_sglang.prefetch.trace`), allowed
+#: only on a server started with this environment variable naming the trace directory.
+OVERRIDE_TRACE = "dd_trace"
+TRACE_DIR_ENV = "DD_SGLANG_TRACE_DIR"
 #: The schema's values of ``experimental.miss_policy`` (declared once, in :mod:`dd_sglang.config`).
 MISS_POLICIES = choices(ExperimentalSection, "miss_policy")
 #: Overrides a request may give only where the preset sets ``experimental.request_overrides: true``.
@@ -131,7 +136,7 @@ def request_overrides(
     experimental: bool = False,
 ) -> dict:
     """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
-    "miss_policy": str, "sparse": bool, "policy": str}`` (keys present only). ``dd_sparse: false`` keeps a
+    "miss_policy": str, "sparse": bool, "policy": str, "trace": bool}`` (keys present only). ``dd_sparse: false`` keeps a
     request on the dense path whatever its length (an exact answer, or a dense reference beside sparse
     ones); ``dd_policy`` (one of :data:`PATH_POLICIES`) replaces the preset's ``sparse.policy`` for it.
 
@@ -177,7 +182,7 @@ def _check_override_keys(custom_params: dict, experimental: bool) -> None:
     """Refuse a ``dd_`` key in any case that is not an override, and an experiment switch where
     ``experimental`` is false (:func:`request_overrides`); ValueError naming the key."""
     known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE,
-             OVERRIDE_POLICY)  # fmt: skip
+             OVERRIDE_POLICY, OVERRIDE_TRACE)  # fmt: skip
     for key in custom_params:
         if isinstance(key, str) and key.lower().startswith("dd_") and key not in known:
             raise ValueError(
@@ -191,8 +196,9 @@ def _check_override_keys(custom_params: dict, experimental: bool) -> None:
 
 
 def _scalar_overrides(custom_params: dict, max_top_k: int) -> dict:
-    """``{"top_k": int, "sparse": bool}`` (keys present only) from ``dd_top_k`` (an integer in
-    ``[TOP_K_RANGE[0], max_top_k]``) and ``dd_sparse`` (a bool); ValueError otherwise."""
+    """``{"top_k": int, "sparse": bool, "trace": bool}`` (keys present only) from ``dd_top_k`` (an integer in
+    ``[TOP_K_RANGE[0], max_top_k]``), ``dd_sparse`` (a bool) and ``dd_trace`` (a bool; true only where
+    :data:`TRACE_DIR_ENV` is set in this process); ValueError otherwise."""
     out: dict = {}
     if OVERRIDE_TOP_K in custom_params:
         v = custom_params[OVERRIDE_TOP_K]
@@ -205,4 +211,12 @@ def _scalar_overrides(custom_params: dict, max_top_k: int) -> dict:
         if not isinstance(v, bool):
             raise ValueError(f"custom_params.{OVERRIDE_SPARSE} must be true or false, got {v!r}")
         out["sparse"] = v
+    if OVERRIDE_TRACE in custom_params:
+        v = custom_params[OVERRIDE_TRACE]
+        if not isinstance(v, bool):
+            raise ValueError(f"custom_params.{OVERRIDE_TRACE} must be true or false, got {v!r}")
+        if v and not os.environ.get(TRACE_DIR_ENV):
+            raise ValueError(f"custom_params.{OVERRIDE_TRACE}: this server writes no attention traces "
+                             f"(start it with {TRACE_DIR_ENV} naming a directory)")  # fmt: skip
+        out["trace"] = v
     return out

@@ -32,12 +32,14 @@ class RequestChoices:
         selector: selector name (:mod:`dd_sglang.prefetch.selectors`).
         speculator: speculator name (:mod:`dd_sglang.prefetch.speculators`).
         miss_policy: the request's ``dd_miss_policy`` override, or None (the preset's).
+        trace: it asked for an attention trace (``dd_trace``, :mod:`dd_sglang.prefetch.trace`).
     """
 
     top_k: int = 0
     selector: str = ""
     speculator: str = "none"
     miss_policy: str | None = None
+    trace: bool = False
 
 
 @dataclass

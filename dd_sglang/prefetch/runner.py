@@ -70,6 +70,7 @@ from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, StepPlan, build_step_plan
 from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS
+from dd_sglang.prefetch.trace import AttentionTrace
 from dd_sglang.prefetch.verify import LayerVerification
 
 __all__ = ["PrefetchEvents", "SparseStepRunner", "use_native_kernel"]
@@ -153,6 +154,8 @@ class SparseStepRunner:
         self.verification = LayerVerification(host, host_sync, self.indexes, self.in_place, self.tally, blocks,
                                               self.probe.attended)  # fmt: skip
         self._use_misses = 0  # rows whose rejected speculation is not verified: counted each layer
+        #: Requests that asked for an attention trace (``dd_trace``; :mod:`dd_sglang.prefetch.trace`).
+        self.trace = AttentionTrace(host)
 
     def _log_choices(self, inline: bool, native: bool, transfer: str) -> None:
         mode = "worker" if not inline else "in place" if self.in_place.enabled else "inline"
@@ -200,6 +203,7 @@ class SparseStepRunner:
     def release(self, rid: str) -> None:
         """Drop a request's prediction state (the KV-cache runtime's release callback)."""
         self.store.release(rid)
+        self.trace.release(rid)
 
     # ------------------------------------------------------------------ per step
     def plan(self, fb, rt) -> StepPlan | None:
@@ -208,6 +212,7 @@ class SparseStepRunner:
         self.tally.flush(self.events)
         plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
         self.ahead.begin(plan)
+        self.trace.begin(plan, rt, fb)
         if plan is None:
             self.schedule.end_step()
             self.ring.release()
@@ -300,6 +305,8 @@ class SparseStepRunner:
         else:
             q = self._assemble(plan, q3, k3, v3, k_buf, v_buf, keys, values)
         self.tally.phase("assemble", time.perf_counter() - t1)
+        if self.trace.rows:
+            self.trace.layer(plan, layer, q3, scale, slot_k, k_buf, fused, self.in_place.layer_sets)
         return q, keys, values
 
     @staticmethod
@@ -376,6 +383,8 @@ class SparseStepRunner:
             self.tally.miss("use_prefetched", self._use_misses, 0)
         if layer == self.host.layer_num - 1:
             self.tally.flush(self.events)
+            if self.trace.rows:
+                self.trace.end()
 
     def end_step(self) -> None:
         """Finish the step's copies (no layer left to wait for them) and report its counts."""

@@ -6,7 +6,8 @@ The default CPU preset, except that every step measures the prefetch hit rate
 (``prefetch.hit_rate_sample: 1``) and a host tier of :data:`HOST_TIER_BYTES`, with SGLang's
 ``--chunked-prefill-size`` :data:`CHUNK` and a device KV pool of :data:`CAP` tokens (two ~2k
 dense requests fit, three do not), SGLang's ``--enable-cache-report`` (cached-token counts)
-and ``--enable-custom-logit-processor`` (the quality benches' teacher forcing). It is
+and ``--enable-custom-logit-processor`` (the quality benches' teacher forcing), and attention traces
+for the requests that ask (``DD_SGLANG_TRACE_DIR``, :mod:`dd_sglang.prefetch.trace`). It is
 launched before the first test (``tests/conftest.py``) and stops when the package's tests are done.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from dd_sglang.kvcache.params import TRACE_DIR_ENV
 from harness.client import COMMON_FLAGS, bench_preset
 from harness.server import ServerProcess, launch_server
 from tests.servers import boots, serve
@@ -37,7 +39,7 @@ def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
     tmp = tmp_path_factory.mktemp("dd_server")
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", str(CHUNK),
             "--dd-config", str(bench_preset(tmp, 1.0, HOST_TIER_BYTES)), *COMMON_FLAGS]  # fmt: skip
-    return launch_server(tmp / "server.log", CAP, args)
+    return launch_server(tmp / "server.log", CAP, args, env={TRACE_DIR_ENV: str(tmp / "traces")})
 
 
 @pytest.fixture(scope="package")
