@@ -6,7 +6,7 @@ Usage::
                                [--texts licenses,python_docs,package_docs] [--windows 2]
                                [--configs spec_host+dual_token,spec_host+ngram,recency]
                                [--regimes greedy,sample_t0.8,teacher_forced]
-                               [--variants default,b2=experimental.branches:2]
+                               [--variants default,d3=prefetch.depth:3]
                                [--dd-url URL --dd-metrics-url URL] [--skip-ceiling]
                                [--out bench/results/prediction_cpu.json] [--quick]
 

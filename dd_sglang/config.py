@@ -330,14 +330,6 @@ class ExperimentalSection(_Strict):
         "where it cannot be built), ``torch`` (PyTorch operations); ``auto``: ``native`` where it builds, else "
         "``torch`` (logged). Both choose the same sets.",
     )
-    branches: int = Field(
-        1, ge=1, le=2,
-        description="Tokens ``dual_token`` rides at most: with 2, an argmax whose probability is below "
-        "``confident`` rides with the runner-up and the selector ranks by both queries at the same ``top_k`` "
-        "(measured worse: lost recall on 5 of 6 paired cells).",
-    )  # fmt: skip
-    confident: float = Field(0.9, ge=0.0, le=1.0,
-                             description="With ``branches: 2``: top-1 probability at or above which one token rides.")  # fmt: skip
     sampling: Literal["independent", "coupled"] = Field(
         "coupled",
         description="``coupled`` draws a sampled sparse request's real token and its speculated successor with the "

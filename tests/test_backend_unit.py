@@ -225,30 +225,6 @@ def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
         torch.testing.assert_close(outs[i][1].double(), _attend_sets(q[1], ks, vs, own), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
-def test_two_riding_tokens_each_read_the_rows_set_and_their_own_kv(kernel):
-    """experimental.branches 2: after an accepted speculation whose argmax is unsure, two tokens ride."""
-    h = Harness(_kernel_params(kernel, branches=2, confident=0.99, miss_policy="use_prefetched"), top_k=24,
-                selector="spec_host_exact")  # fmt: skip
-    h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
-    cand_prev = h.st.host_candidates()
-    _, qs_prev, _ = h.step()  # prompt lookup proposes the pattern's next token; its top-2 are recorded
-    state = h.backend.runner.store.get("r1").spec
-    t1, p1, t2, _ = state.top[0]
-    assert p1 < 0.99
-    resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
-    fb, qs, outs = h.step()  # the pattern's token was the one that rode: accepted, its top-2 ride now
-    assert state.branch == 0 and state.riding == (t1, t2)
-    assert fb.input_ids.tolist()[1:] == [t1, t2]
-    n = h.req.kv.kv_committed_len
-    for i in range(LAYERS):
-        q, k, v = qs[i]
-        sets = [s | resident | {n} for s in _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)]
-        for j in (1, 2):
-            ks, vs = torch.cat([h.k_all[i][:n], k[j : j + 1]]), torch.cat([h.v_all[i][:n], v[j : j + 1]])
-            torch.testing.assert_close(outs[i][j].double(), _attend_sets(q[j], ks, vs, sets), atol=1e-4, rtol=1e-4)
-
-
 def _topk_sets(q, k_all, cand, k):
     s = gqa_token_scores(q, k_all[cand], SCALE)
     return [set(cand[s[kv].topk(k).indices].tolist()) for kv in range(HKV)]

@@ -90,19 +90,19 @@ def test_needle_prompt_size_depth_and_answer(tokenizer):
 def test_prediction_variants_are_parsed_and_checked_by_the_preset_schema():
     from bench.prediction import parse_variants, variant_label
 
-    assert parse_variants("default,b2=experimental.branches:2,"
-                          "both=experimental.branches:2/experimental.miss_policy:use_prefetched") == {
+    assert parse_variants("default,d3=prefetch.depth:3,"
+                          "both=prefetch.depth:3/experimental.miss_policy:use_prefetched") == {
         "default": {},
-        "b2": {"experimental.branches": 2},
-        "both": {"experimental.branches": 2, "experimental.miss_policy": "use_prefetched"},
+        "d3": {"prefetch.depth": 3},
+        "both": {"prefetch.depth": 3, "experimental.miss_policy": "use_prefetched"},
     }  # fmt: skip
-    assert variant_label("spec_host+dual_token", "b2") == "spec_host+dual_token[b2]"
+    assert variant_label("spec_host+dual_token", "d3") == "spec_host+dual_token[d3]"
     assert variant_label("recency", "default") == "recency"
-    for bad, needle in [("b3=experimental.branches:3", "experimental.branches"),
+    for bad, needle in [("d99=prefetch.depth:99", "prefetch.depth"),
                         ("x=experimental.miss_policy:sometimes", "experimental.miss_policy"),
-                        ("x=branches:2", "SECTION.KEY=VALUE"), ("x=prefetch.branches:2", "unknown key 'prefetch.branches'"),
-                        ("x=nokey", "not SECTION.KEY:value"), ("default=experimental.branches:2", "bad item"),
-                        ("b=", "bad item"), ("a=experimental.branches:2,a=experimental.branches:1", "bad item"),
+                        ("x=depth:2", "SECTION.KEY=VALUE"), ("x=experimental.branches:2", "unknown key 'experimental.branches'"),
+                        ("x=nokey", "not SECTION.KEY:value"), ("default=prefetch.depth:2", "bad item"),
+                        ("b=", "bad item"), ("a=prefetch.depth:2,a=prefetch.depth:1", "bad item"),
                         ("x=prefetch.typo:1", "typo")]:  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             parse_variants(bad)

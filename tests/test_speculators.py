@@ -52,16 +52,11 @@ def test_dual_token_uses_the_argmax_only_after_an_accepted_speculation():
     assert spec.propose([5, 9, 1, 5], SpecState()) == (9,)  # first sparse step: prompt lookup
 
 
-def test_dual_token_with_two_branches_rides_the_runner_up_only_when_unsure():
-    spec = DualTokenSpeculator(branches=2, confident=0.6)
-    unsure = SpecState(riding=(3, 42), top=[(10, 0.9, 11, 0.05), (77, 0.5, 78, 0.3)], branch=1)
-    assert spec.propose([1, 42], unsure) == (77, 78)  # the second riding token was real; 0.5 < 0.6
-    sure = SpecState(riding=(42,), top=[(77, 0.8, 78, 0.1)], branch=0)
-    assert spec.propose([1, 42], sure) == (77,)
-    for bad in ({"branches": 3}, {"confident": 1.5}):
-        with pytest.raises(ValueError):
-            DualTokenSpeculator(**bad)
-    assert make_speculator("dual_token", 2, 0.6).branches == 2
+def test_dual_token_rides_one_token_however_unsure_its_argmax():
+    """The runner-up never rides (``experimental.branches`` is gone: measured worse)."""
+    unsure = SpecState(riding=(42,), top=[(77, 0.3, 78, 0.29)], branch=0)
+    assert DualTokenSpeculator().propose([1, 42], unsure) == (77,)
+    assert isinstance(make_speculator("dual_token"), DualTokenSpeculator)
     with pytest.raises(ValueError, match="speculator must be one of"):
         make_speculator("psychic")
 

@@ -12,7 +12,7 @@
     step's immutable :class:`~dd_sglang.prefetch.plan.StepPlan` (sparse rows,
     resident slots, speculated positions appended to the batch, each row's
     critical-set source, the gather indices) and starts the layer copies; the
-    plan rides on the batch as ``forward_batch.dd_plan``.
+    plan rides on the batch inside ``forward_batch.dd_step`` (:class:`~dd_sglang.attention.step.DecodeStep`).
   - ``forward_decode`` (per layer): write the new K/V, run the dense rows, get
     the layer's inputs from the runner (wait for its copy), one batched sparse
     attention call (:class:`dd_sglang.kernels.dispatch.SparseAttention`: FlashInfer

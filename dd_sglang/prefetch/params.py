@@ -28,8 +28,6 @@ class PrefetchParams:
     transfer: str = _EXPERIMENTAL.transfer
     select: str = _EXPERIMENTAL.select
     gather: str = _EXPERIMENTAL.gather
-    branches: int = _EXPERIMENTAL.branches
-    confident: float = _EXPERIMENTAL.confident
     kernel: str = _EXPERIMENTAL.kernel
     sampling: str = _EXPERIMENTAL.sampling
     first_level_tokens: int | None = _EXPERIMENTAL.first_level_tokens

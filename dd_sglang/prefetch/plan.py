@@ -2,7 +2,7 @@
 
 :func:`build_step_plan` runs in the attention backend's
 ``init_forward_metadata`` (SGLang's per-step seam) and returns one immutable
-:class:`~dd_sglang.prefetch.step_plan.StepPlan`, which travels on the forward batch (``forward_batch.dd_plan``).
+:class:`~dd_sglang.prefetch.step_plan.StepPlan`, which travels on the forward batch (``forward_batch.dd_step.plan``).
 Everything that needs Python, host syncs or per-request lookups happens here,
 once; the per-layer path (:mod:`dd_sglang.prefetch.runner`) only indexes
 tensors. Building a plan:

@@ -46,7 +46,7 @@ class PlanInputs:
             req_to_token=req_to_token,
             selectors={name: make_selector(name, params.rerank, native, params.first_level_tokens)
                        for name in SELECTORS},  # fmt: skip
-            speculators={n: make_speculator(n, params.branches, params.confident) for n in SPECULATORS},
+            speculators={n: make_speculator(n) for n in SPECULATORS},
             store=PredictionStore(),
             make_index=make_index,
             miss_policy=params.miss_policy,

@@ -15,11 +15,10 @@ Where the speculated token comes from:
   position fed ``x̂_t``; when ``x̂_t`` turned out to be the real ``x_t`` (the
   speculation was *accepted*), its logits are the model's next-token
   distribution after ``x_t`` (up to the sparse attention the second position
-  uses), and their argmax is the greedy guess of ``x_{t+1}``. With
-  ``experimental.branches: 2`` an unconfident argmax (probability below
-  ``experimental.confident``) rides with the second most likely token as a third
-  position: under sampling the real token is then often one of the two, and
-  the chain stays in phase. When no riding token was the real one, or on a
+  uses), and their argmax is the greedy guess of ``x_{t+1}``. (Riding the
+  runner-up beside an unsure argmax as a third position was measured worse:
+  it lost recall on 5 of 6 paired cells at the same ``top_k``,
+  ``bench/results/archive/prediction_variants_cpu.json``.) When the riding token was not the real one, or on a
   request's first sparse step, it falls back to ``ngram``; with no n-gram
   match either, no token rides along. (Reusing the rejected position's argmax instead keeps the chain one
   token out of phase: every later guess continues a wrong token, and greedy
@@ -52,7 +51,7 @@ class SpecState:
     """Per-request speculation state (kept by the prefetch layer's ``PredictionStore``).
 
     Attributes:
-        riding: the tokens that rode as extra query positions in the last step (0, 1 or 2).
+        riding: the tokens that rode as extra query positions in the last step (0 or 1).
         top: per riding token, ``(token_1, p_1, token_2, p_2)``: the two most likely next tokens
             after it and their probabilities, from its logits (filled after the forward).
         branch: which riding token equalled the real one at the last check (None: none did).
@@ -108,7 +107,7 @@ class Speculator:
     name = "base"
 
     def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
-        """0, 1 or 2 tokens guessed for the position after ``history[-1]``."""
+        """0 or 1 token guessed for the position after ``history[-1]``."""
         raise NotImplementedError
 
 
@@ -132,38 +131,18 @@ class NgramSpeculator(Speculator):
 
 
 class DualTokenSpeculator(Speculator):
-    """After an accepted speculation, the model's own guesses from the matching riding position; else ``ngram``.
+    """After an accepted speculation, the model's own guess from the riding position; else ``ngram``.
 
     The riding token that equalled the real one saw the right context, so its logits are the
-    model's next-token distribution (up to its sparse attention): its argmax rides next. When
-    that argmax is not confident (probability below ``confident``) and ``branches`` is 2, the
-    second most likely token rides beside it, and the lookahead selector ranks by both queries
-    at the same budget ``k`` (so a sampled second choice keeps the chain in phase).
-
-    Args:
-        branches: 1 or 2 riding tokens at most.
-        confident: top-1 probability at or above which one token rides (0..1).
-
-    Raises:
-        ValueError: ``branches`` not 1 or 2, or ``confident`` outside [0, 1].
+    model's next-token distribution (up to its sparse attention): its argmax rides next.
     """
 
     name = "dual_token"
 
-    def __init__(self, branches: int = 1, confident: float = 0.9):
-        if branches not in (1, 2):
-            raise ValueError(f"experimental.branches must be 1 or 2, got {branches}")
-        if not 0.0 <= confident <= 1.0:
-            raise ValueError(f"experimental.confident must be in [0, 1], got {confident}")
-        self.branches, self.confident = branches, confident
-
     def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
         b = state.branch
         if b is not None and b < len(state.top) and state.top[b] is not None:
-            t1, p1, t2, _ = state.top[b]
-            if self.branches == 2 and p1 < self.confident and t2 != t1:
-                return (t1, t2)
-            return (t1,)
+            return (state.top[b][0],)
         tok = ngram_propose(history, state)
         return () if tok is None else (tok,)
 
@@ -174,16 +153,16 @@ SPECULATORS: dict[str, type[Speculator]] = {
 }
 
 
-def make_speculator(name: str, branches: int = 1, confident: float = 0.9) -> Speculator:
-    """Instantiate a speculator by name (``branches`` / ``confident`` apply to ``dual_token``).
+def make_speculator(name: str) -> Speculator:
+    """Instantiate a speculator by name.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones), or bad ``branches``/``confident``.
+        ValueError: unknown name (the message lists the known ones).
     """
     cls = SPECULATORS.get(name)
     if cls is None:
         raise ValueError(f"speculator must be one of {sorted(SPECULATORS)}, got {name!r}")
-    return cls(branches, confident) if cls is DualTokenSpeculator else cls()
+    return cls()
 
 
 def verify(state: SpecState, token: int) -> bool | None:

@@ -82,8 +82,8 @@ class ColumnLayout:
     """Each row's attention columns (module docstring, step 4) and the queries that read them.
 
     ``n_res``: resident columns; ``k``: critical-set columns (the largest ``top_k``); ``positions``:
-    query positions per row, ``1 + S`` (the real one, then up to ``S`` speculated ones: 0, 1, or 2
-    with ``experimental.branches: 2``); ``res_slots``: ``[R, n_res]`` int64 device slots (device);
+    query positions per row, ``1 + S`` (the real one, then ``S`` speculated ones: 0 or 1, the
+    ``dual_token`` speculator rides at most one); ``res_slots``: ``[R, n_res]`` int64 device slots (device);
     ``qidx``: ``[R, positions]`` int64 token index of each row's queries (the real one again where
     fewer tokens ride), device; ``mask``: ``[R, positions, columns]`` bool (device): the columns
     each row's queries read.
