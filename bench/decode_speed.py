@@ -6,7 +6,7 @@ Usage::
                                  [--batches 1,8] [--new-tokens 48] [--rounds 3] [--warmup-tokens 8]
                                  [--select-worker] [--select-split] [--select-inline] [--torch-kernel]
                                  [--unpacked-dense]
-                                 [--temperature 0.8] [--independent-sampling] [--inline-transfer]
+                                 [--temperature 0.8] [--inline-transfer]
                                  [--use-prefetched] [--hit-rate-sample 0.05] [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
@@ -67,12 +67,7 @@ platform's prepacked bfloat16 linear layers off (``DD_SGLANG_CPU_PREPACK=0``,
 SGLang's own dense path, ``sparse_over_unpacked_dense`` the sparse default over
 dense as it ran before packing.
 With ``--temperature T`` (> 0) every request samples (temperature T, top-p
-0.95, a fixed ``sampling_seed`` per prompt) instead of decoding greedily. With
-``--independent-sampling`` one more ``dualdecoder`` server runs the preset with
-``experimental.sampling: independent`` (SGLang's own sampler, the argmax guess) and
-each cell's sparse default again there (``dualdecoder_sparse_independent``);
-``coupled_over_independent`` is the default's (coupled sampling's) tokens/s
-over it: what the coupled draw costs, less what its fewer repairs save.
+0.95, a fixed ``sampling_seed`` per prompt) instead of decoding greedily.
 With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
 ``experimental.transfer: inline`` (each layer's critical sets copied into the layer
 ring before attention, instead of read in place from the host tier, a CPU's
@@ -211,7 +206,6 @@ RATIOS = (
     ("native_over_torch_kernel", "dualdecoder_sparse", "dualdecoder_sparse_torch_kernel"),
     ("sparse_over_unpacked_dense", "dualdecoder_sparse", "sglang_dense_unpacked"),
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
-    ("coupled_over_independent", "dualdecoder_sparse", "dualdecoder_sparse_independent"),
     ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
     ("default_over_use_prefetched", "dualdecoder_sparse", "dualdecoder_sparse_use_prefetched"),
     ("spec_host_verify_over_use_prefetched", "dualdecoder_sparse_spec_host", "dualdecoder_sparse_use_prefetched"),
@@ -265,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the sparse default on a server with experimental.kernel: torch (no C kernel)")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample every request at this temperature (top-p 0.95, seeded); 0: greedy")  # fmt: skip
-    ap.add_argument("--independent-sampling", action="store_true",
-                    help="also run the sparse default on a server with experimental.sampling: independent")  # fmt: skip
     ap.add_argument("--inline-transfer", action="store_true",
                     help="also run the sparse default on a server with experimental.transfer: inline (critical sets "
                          "copied into the ring, not read in place)")  # fmt: skip
@@ -350,8 +342,6 @@ def main(argv: list[str] | None = None) -> int:
                 ("select_split", "experimental.select", "split", "dualdecoder_sparse_select_split", args.select_split),
                 ("select_inline", "experimental.select", "inline", "dualdecoder_sparse_select_inline", args.select_inline),
                 ("torch_kernel", "experimental.kernel", "torch", "dualdecoder_sparse_torch_kernel", args.torch_kernel),
-                ("independent", "experimental.sampling", "independent", "dualdecoder_sparse_independent",
-                 args.independent_sampling),
                 ("inline_transfer", "experimental.transfer", "inline", "dualdecoder_sparse_inline_transfer",
                  args.inline_transfer),
                 ("hit_rate_sample", "prefetch.hit_rate_sample", args.hit_rate_sample, "dualdecoder_sparse_hit_rate_sample",
@@ -435,8 +425,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {name} {r[name]:.2f}x")
         if "hit_rate_sample_over_default" in r:
             print(f"    hit_rate_sample {args.hit_rate_sample} / default {r['hit_rate_sample_over_default']:.2f}x")
-        if "coupled_over_independent" in r:
-            print(f"    coupled/independent sampling {r['coupled_over_independent']:.2f}x")
         if "packed_over_unpacked_dense" in r:
             print(f"    packed/unpacked SGLang dense {r['packed_over_unpacked_dense']:.2f}x, "
                   f"sparse/unpacked dense {r['sparse_over_unpacked_dense']:.2f}x")  # fmt: skip

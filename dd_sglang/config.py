@@ -330,13 +330,6 @@ class ExperimentalSection(_Strict):
         "where it cannot be built), ``torch`` (PyTorch operations); ``auto``: ``native`` where it builds, else "
         "``torch`` (logged). Both choose the same sets.",
     )
-    sampling: Literal["independent", "coupled"] = Field(
-        "coupled",
-        description="``coupled`` draws a sampled sparse request's real token and its speculated successor with the "
-        "same noise (an exponential race keyed by the request and the position, ``dd_sglang/attention/coupling.py``), "
-        "so the guess matches a sampled token about as often as a greedy one; ``independent`` (measured worse) "
-        "leaves SGLang's sampling alone and speculates the argmax.",
-    )
     first_level_tokens: int | None = Field(
         None, ge=64, le=1_000_000,
         description="Two-level selection (``host_sync``, ``spec_host`` and verification, C kernel only): the host "

@@ -52,6 +52,7 @@ def test_every_shipped_preset_validates():
         ({"prefetch": {"select": "worker"}}, ["unknown key 'prefetch.select'"]),
         ({"experimental": {"kernel": "cuda"}}, ["experimental.kernel", "'native'", "cuda"]),
         ({"experimental": {"branches": 2}}, ["unknown key 'experimental.branches'"]),
+        ({"experimental": {"sampling": "independent"}}, ["unknown key 'experimental.sampling'"]),
         ({"experimental": {"request_overrides": "yes"}}, ["experimental.request_overrides", "valid boolean"]),
         ({"sparse": {"request_selectors": ["psychic"]}}, ["sparse.request_selectors.0", "'quest_device'", "psychic"]),
         ({"sparse": {"request_selectors": ["oracle", "oracle"]}}, ["sparse.request_selectors", "names a selector twice"]),
@@ -95,8 +96,7 @@ def test_the_shipped_schema_stays_small():
     shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
     assert len(shipped) == 29  # name, model 3 (path, rope_scaling, rope_factor), server 8, metrics 3, sparse 11, prefetch 3
-    moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel",
-             "sampling", "n_keep", "first_level_tokens"}  # fmt: skip
+    moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "n_keep", "first_level_tokens"}  # fmt: skip
     assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
     assert moved | {"request_overrides"} == set(ExperimentalSection.model_fields)
 
@@ -119,11 +119,11 @@ def test_the_runtime_settings_are_the_presets():
 
     cfg = parse_config({"prefetch": {"depth": 3, "rerank": 4.0},
                         "experimental": {"kernel": "torch", "select": "split", "speculator": "ngram", "n_keep": 5,
-                                         "miss_policy": "use_prefetched", "sampling": "independent"},
+                                         "miss_policy": "use_prefetched"},
                         "sparse": {"top_k": 64, "request_max_top_k": 128}})  # fmt: skip
     p = PrefetchParams.from_config(cfg)
-    assert (p.depth, p.rerank, p.kernel, p.select, p.speculator, p.miss_policy, p.sampling) == (
-        3, 4.0, "torch", "split", "ngram", "use_prefetched", "independent")  # fmt: skip
+    assert (p.depth, p.rerank, p.kernel, p.select, p.speculator, p.miss_policy) == (
+        3, 4.0, "torch", "split", "ngram", "use_prefetched")  # fmt: skip
     assert asdict(PrefetchParams()) == asdict(PrefetchParams.from_config(DDConfig()))
     s = SparseParams.from_config(cfg, host_tier_bytes=4096 * 1024)
     assert (s.top_k, s.request_max_top_k, s.n_keep, s.host_tier_bytes, s.n_recent) == (64, 128, 5, 4096 * 1024, 128)

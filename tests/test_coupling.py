@@ -1,4 +1,4 @@
-"""Coupled sampling (``experimental.sampling: coupled``, :mod:`dd_sglang.attention.coupling`), no server.
+"""Coupled sampling (:mod:`dd_sglang.attention.coupling`), no server.
 
 These check what the coupling relies on: each draw is an exact sample of the distribution SGLang
 would sample (temperature, top-p, top-k, min-p), two draws with the same seed and position from

@@ -3,11 +3,12 @@
 Under sampling, the ``dual_token`` guess of the next token (the argmax of the
 riding position's logits) is the real token only as often as the sampled token
 is the argmax (~0.5-0.6 at T = 0.8 here, against ~0.95 greedy), and each miss
-costs a repair and a step or two of prompt-lookup guesses. With
-``experimental.sampling: coupled`` both draws share their randomness (the
+costs a repair and a step or two of prompt-lookup guesses. Here both draws
+share their randomness (the
 Gumbel-max coupling used in speculative decoding: Daliri, Musco and Suresh,
 "Coupling without Communication and Drafter-Invariant Speculative Decoding",
-2024):
+2024; leaving SGLang's sampler alone and speculating the argmax was measured worse,
+``bench/results/archive/prediction_coupled_cpu.json``):
 
 * a sparse row's real token is drawn here, as ``argmax(p_i / E_i)`` over the
   tempered, top-k / top-p / min-p filtered distribution ``p`` (SGLang's

@@ -29,7 +29,6 @@ class PrefetchParams:
     select: str = _EXPERIMENTAL.select
     gather: str = _EXPERIMENTAL.gather
     kernel: str = _EXPERIMENTAL.kernel
-    sampling: str = _EXPERIMENTAL.sampling
     first_level_tokens: int | None = _EXPERIMENTAL.first_level_tokens
 
     @classmethod

@@ -155,7 +155,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         layout=layout,
         spec=_riding_tokens(rows, spec, spec_tok, layout.n_res + layout.k, dev),
         checks=_checked_rows(rows, n_ahead, inp),
-        requests=_row_requests(rows, inp.sampling),
+        requests=_row_requests(rows),
         exact=_exact_rows(rows, n_ahead, n_fixed, layout.n_res, dev),
     )
 
@@ -208,13 +208,13 @@ def _checked_rows(rows: list[PlanRow], n_ahead: int, inp: PlanInputs) -> Checked
     return CheckedRows(torch.tensor(verify, dtype=torch.int64), torch.tensor(sampled, dtype=torch.int64))
 
 
-def _row_requests(rows: list[PlanRow], sampling: str) -> RowRequests:
-    """:class:`RowRequests` of ``rows``; seeds only under ``coupled`` ``sampling``."""
+def _row_requests(rows: list[PlanRow]) -> RowRequests:
+    """:class:`RowRequests` of ``rows``, with each row's coupled-sampling seed."""
     return RowRequests(
         rids=tuple(r.st.rid for r in rows),
         rejected=tuple(r.rejected for r in rows),
         labels=tuple((r.selector.name, r.st.choice.speculator if r.selector.uses_speculator else "none") for r in rows),
-        seeds=tuple(row_seed(r) for r in rows) if sampling == "coupled" else (),
+        seeds=tuple(row_seed(r) for r in rows),
     )
 
 

@@ -33,14 +33,13 @@ class PlanInputs:
     miss_policy: str
     hit_rate_sample: float
     rng: random.Random
-    sampling: str = "coupled"
 
     @classmethod
     def from_params(cls, params: PrefetchParams, req_to_token: torch.Tensor, make_index, native: bool,
                     seed: int) -> PlanInputs:  # fmt: skip
         """The runner's inputs: one selector per name of :data:`SELECTORS` (the C kernel where
         ``native``), one speculator per name of :data:`SPECULATORS`, a fresh prediction store, the
-        preset's miss policy, sampling and hit-rate settings, and a hit-rate sampling RNG seeded
+        preset's miss policy and hit-rate settings, and a hit-rate sampling RNG seeded
         with ``seed``."""
         return cls(
             req_to_token=req_to_token,
@@ -52,5 +51,4 @@ class PlanInputs:
             miss_policy=params.miss_policy,
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
-            sampling=params.sampling,
         )

@@ -59,7 +59,7 @@ class SpecState:
         indexed: how many history tokens ``index`` covers.
         proposed, accepted: steps with a verifiable speculation, and those where a riding token
             equalled the real token.
-        seed: the request's sampling seed under ``experimental.sampling: coupled`` (a hash of its request
+        seed: the request's sampling seed for coupled sampling (a hash of its request
             id and ``sampling_seed``, fixed at its first sparse step); None until then.
     """
 

@@ -149,7 +149,7 @@ class RowRequests:
 
     ``rids``: request ids; ``rejected``: its speculated token was rejected this step; ``labels``:
     ``(selector, speculator)`` names for the metrics; ``seeds``: its sampling seed
-    (``experimental.sampling: coupled``, :mod:`dd_sglang.attention.coupling`), empty otherwise.
+    (coupled sampling, :mod:`dd_sglang.attention.coupling`).
     """
 
     rids: tuple[str, ...]

@@ -256,7 +256,7 @@ def test_use_prefetched_attends_what_arrived_and_its_recall_shows_it(dd_server, 
 
 
 def test_coupled_sampling_guesses_the_sampled_token(dd_server, combo_prompt):
-    """prefetch.sampling: coupled (the preset's default): a sampled sparse request's token is drawn with
+    """Coupled sampling: a sampled sparse request's token is drawn with
     noise keyed by its request (id and sampling_seed) and position, and the riding position draws the next token with
     the same noise, so at temperature 0.8 the guess is the sampled token on most steps: 0.77-0.80 in
     bench.prediction, where the argmax guess of SGLang's own sampler reached 0.38-0.44. Different
