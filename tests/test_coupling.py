@@ -156,7 +156,7 @@ def test_coupled_guesses_stash_the_sampled_sparse_rows_and_draw_the_riding_ones(
 def test_each_request_gets_its_own_seed_and_keeps_it():
     """The ``n`` samples of one request share a sampling_seed but not a request id: their seeds differ
     (independent draws); a request keeps the seed of its first sparse step."""
-    from dd_sglang.prefetch.plan_rows import row_seed as _seed
+    from dd_sglang.prefetch.plan import row_seed as _seed
     from dd_sglang.prefetch.speculators import SpecState
 
     def row(rid, seed):

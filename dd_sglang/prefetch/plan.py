@@ -44,6 +44,7 @@ tensors. Building a plan:
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -52,8 +53,6 @@ from dd_sglang.prefetch.plan_inputs import PlanInputs
 from dd_sglang.prefetch.plan_rows import (
     PlanRow,
     classify,
-    pad_stack,
-    row_seed,
     sparse_rows,
     speculate,
     update_indexes,
@@ -206,6 +205,27 @@ def _checked_rows(rows: list[PlanRow], n_ahead: int, inp: PlanInputs) -> Checked
     verify = [j for j in range(n_ahead) if (rows[j].st.choice.miss_policy or inp.miss_policy) == "verify"]
     sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
     return CheckedRows(torch.tensor(verify, dtype=torch.int64), torch.tensor(sampled, dtype=torch.int64))
+
+
+def row_seed(r: PlanRow) -> int:
+    """The row's sampling seed under coupled sampling, fixed at its first sparse step
+    (``SpecState.seed``): 63 bits of a BLAKE2b hash of the request id and its ``sampling_seed``
+    (the same on every tensor-parallel rank; distinct for the ``n`` samples of one request, which
+    share a ``sampling_seed`` but not a request id, so their draws stay independent)."""
+    spec = r.pred.spec
+    if spec.seed is None:
+        given = getattr(getattr(r.st.req, "sampling_params", None), "sampling_seed", None)
+        digest = hashlib.blake2b(f"{r.st.rid}/{given}".encode(), digest_size=8).digest()
+        spec.seed = int.from_bytes(digest, "little") >> 1
+    return spec.seed
+
+
+def pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """``[len(rows), width]`` int64: each ``[n]`` tensor of ``rows`` left-aligned, zero padded."""
+    out = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, t in enumerate(rows):
+        out[i, : t.numel()] = t
+    return out
 
 
 def _row_requests(rows: list[PlanRow]) -> RowRequests:

@@ -7,7 +7,6 @@ their speculated tokens, :func:`classify` orders them ahead / full / sync, and
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -50,19 +49,6 @@ def token_history(st, token: int) -> list[int]:
     return ids
 
 
-def row_seed(r: PlanRow) -> int:
-    """The row's sampling seed under coupled sampling, fixed at its first sparse step
-    (``SpecState.seed``): 63 bits of a BLAKE2b hash of the request id and its ``sampling_seed``
-    (the same on every tensor-parallel rank; distinct for the ``n`` samples of one request, which
-    share a ``sampling_seed`` but not a request id, so their draws stay independent)."""
-    spec = r.pred.spec
-    if spec.seed is None:
-        given = getattr(getattr(r.st.req, "sampling_params", None), "sampling_seed", None)
-        digest = hashlib.blake2b(f"{r.st.rid}/{given}".encode(), digest_size=8).digest()
-        spec.seed = int.from_bytes(digest, "little") >> 1
-    return spec.seed
-
-
 def is_full(r: PlanRow) -> bool:
     """The row's critical set is every candidate (``top_k`` covers them)."""
     return r.cand.numel() <= r.st.choice.top_k
@@ -103,14 +89,6 @@ def update_indexes(rows: list[PlanRow], inp: PlanInputs, host_len) -> None:
             if n > done:
                 inp.make_index(loc).update(r.st.host_slots, done, n)
                 r.pred.indexed[loc] = n
-
-
-def pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """``[len(rows), width]`` int64: each ``[n]`` tensor of ``rows`` left-aligned, zero padded."""
-    out = torch.zeros(len(rows), width, dtype=torch.int64)
-    for i, t in enumerate(rows):
-        out[i, : t.numel()] = t
-    return out
 
 
 def sparse_rows(fb, rt, inp: PlanInputs) -> list[PlanRow]:
