@@ -19,7 +19,8 @@ request with the configuration's ``custom_params``:
 * ``spec_host``: the same selector named explicitly;
 * ``use_prefetched``: the default unverified (the prediction attended as it arrived);
 * ``host_sync`` and ``oracle``: exact selection at attention time (the int8 host index with exact
-  re-ranking; every key scored).
+  re-ranking; every key scored);
+* ``top_k_512``, ``top_k_1024``: the default with a larger critical set (``dd_top_k``).
 
 The configurations of one sample are sent back to back (:class:`FanOutCompletions`, an lm-eval
 ``LM``; samples run ``--concurrency`` at a time), so the prompt is prefilled once and the other
@@ -53,6 +54,8 @@ CONFIGS = {
     "use_prefetched": {"dd_miss_policy": "use_prefetched"},
     "host_sync": {"dd_selector": "host_sync"},
     "oracle": {"dd_selector": "oracle"},
+    "top_k_512": {"dd_top_k": 512},
+    "top_k_1024": {"dd_top_k": 1024},
 }
 #: Tasks whose data lm-eval generates offline (DESIGN.md: the essay and QA tasks download text).
 TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt",
@@ -146,10 +149,10 @@ def _no_loglikelihood(lm, requests, disable_tqdm=False):
 
 
 def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samples: int, config: str,
-             max_gen_toks: int, first: int = 0) -> list[dict]:  # fmt: skip
+             max_gen_toks: int, first: int = 0, ids: list[int] | None = None) -> list[dict]:  # fmt: skip
     """One lm-eval evaluation of ``task`` at ``length`` tokens, answered with configuration ``config``:
-    samples ``first`` .. ``first + samples - 1`` of the generated set (lm-eval's ``samples`` indices when
-    ``first`` > 0, its ``limit`` otherwise).
+    samples ``first`` .. ``first + samples - 1`` of the generated set, or the samples ``ids`` (lm-eval's
+    ``samples`` indices for either, its ``limit`` for the first ``samples``).
 
     Returns one record per sample: ``{"doc_id", "score", "answer", "target"}`` (score in [0, 1],
     lm-eval's own ``process_results`` value for that length; ``doc_id`` the sample's index in the
@@ -162,10 +165,12 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     from lm_eval.tasks import TaskManager
 
     lm.current = config
-    pick = {"samples": {task: list(range(first, first + samples))}} if first else {"limit": samples}
+    if ids is None and first:
+        ids = list(range(first, first + samples))
+    pick = {"samples": {task: ids}} if ids else {"limit": samples}
     out = lm_eval.simple_evaluate(
         model=lm.lm,
-        tasks=[niah_single_1_spec(first + samples) if task == "niah_single_1" else task],
+        tasks=[niah_single_1_spec(max(ids) + 1 if ids else samples) if task == "niah_single_1" else task],
         task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer,
                                            "pretrained": tokenizer}),  # fmt: skip
         **pick,
@@ -303,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gen-toks", type=int, default=48, help="tokens generated per sample (the task's 128, cut)")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/ruler_<host class>.json)")
     ap.add_argument("--plot", default=None, help="PNG (default: the JSON's path with .png)")
+    ap.add_argument("--doc-ids", default=None, metavar="I,J,...",
+                    help="run only these samples of the generated set (indices from 0; instead of the first "
+                         "--samples), e.g. the ones an earlier run's configurations answered differently")  # fmt: skip
     ap.add_argument("--extend", default=None, metavar="RESULT",
                     help="a result of this bench holding every (length, configuration) asked with fewer than "
                          "--samples samples: run only the samples it lacks (the generated set's next ones) and "
@@ -329,6 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs must name configurations of {list(CONFIGS)}, got {args.configs!r}")
     if args.task not in TASKS:
         ap.error(f"--task must be one of {list(TASKS)}, got {args.task!r}")
+    ids = None
+    if args.doc_ids is not None:
+        try:
+            ids = sorted({int(x) for x in args.doc_ids.split(",") if x})
+        except ValueError:
+            ap.error(f"--doc-ids must be comma-separated integers, got {args.doc_ids!r}")
+        if not ids or ids[0] < 0 or ids[-1] >= 500 or args.extend:
+            ap.error(f"--doc-ids must name samples in [0, 500) (lm-eval generates 500), without --extend; got {args.doc_ids!r}")
+        args.samples = len(ids)
     prior = None
     if args.extend:
         try:
@@ -365,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in configs:
                 t1 = time.monotonic()
                 per[name] = list(old.get(name, [])) + run_task(lm, tokenizer, args.task, length, args.samples - first,
-                                                               name, args.max_gen_toks, first)  # fmt: skip
+                                                               name, args.max_gen_toks, first, ids)  # fmt: skip
                 print(f"{args.task} {length} {name}: {sum(r['score'] >= 1 for r in per[name])}/{len(per[name])} "
                       f"({time.monotonic() - t1:.0f} s)", flush=True)  # fmt: skip
             for name in configs:
@@ -395,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     from bench.cli import write_result
 
-    result = {"benchmark": "ruler", "preset": args.preset, "task": args.task, "samples": args.samples, "max_gen_toks": args.max_gen_toks,
+    result = {"benchmark": "ruler", "preset": args.preset, "task": args.task, "samples": args.samples, **({"doc_ids": ids} if ids else {}), "max_gen_toks": args.max_gen_toks,
               "command": command, "dtype": dtype, "lm_eval": "0.4.13, greedy /v1/completions (bench.ruler.FanOutCompletions)",
               "seconds": round(time.monotonic() - t0, 1), "cells": cells, "floor": floor,
               "per_sample": samples}  # fmt: skip

@@ -356,8 +356,12 @@ def test_ruler_extension_runs_the_next_samples_of_the_same_generated_set(model_p
     whole = run_task(rec, str(model_path), "niah_single_1", 384, 4, "dense", 8)
     rec.key = "tail"
     tail = run_task(rec, str(model_path), "niah_single_1", 384, 2, "dense", 8, first=2)
+    rec.key = "picked"
+    picked = run_task(rec, str(model_path), "niah_single_1", 384, 2, "dense", 8, ids=[1, 3])  # --doc-ids
     assert [r["doc_id"] for r in whole] == [0, 1, 2, 3] and [r["doc_id"] for r in tail] == [2, 3]
     assert [r["target"] for r in tail] == [r["target"] for r in whole[2:]]
+    assert [r["doc_id"] for r in picked] == [1, 3] and [r["target"] for r in picked] == [whole[1]["target"], whole[3]["target"]]
+    assert prompts["picked"] == [prompts["all"][1], prompts["all"][3]]
     assert len(set(map(str, (r["target"] for r in whole)))) == 4  # distinct needles: the comparison can fail
     assert prompts["tail"] == prompts["all"][2:]
 
@@ -373,7 +377,8 @@ def test_ruler_extend_refuses_a_result_it_cannot_grow(tmp_path, capsys):
     cases = [(["--configs", "dense,default"], "different sample counts [1, 2]"),
              (["--configs", "dense", "--samples", "2"], "already holds 2 samples per cell"),
              (["--configs", "dense,spec_host"], "no per-sample answers for length 4096, configuration spec_host"),
-             (["--configs", "dense", "--max-gen-toks", "48"], "has max_gen_toks 24, this run 48")]  # fmt: skip
+             (["--configs", "dense", "--max-gen-toks", "48"], "has max_gen_toks 24, this run 48"),
+             (["--configs", "dense", "--doc-ids", "1,2"], "without --extend")]  # fmt: skip
     for extra, needle in cases:
         with pytest.raises(SystemExit) as e:
             main(["--lengths", "4096", "--max-gen-toks", "24", "--samples", "5", "--extend", str(path), *extra])
