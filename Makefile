@@ -42,7 +42,7 @@ loadtest: model
 bench: model
 	$(BIN)/python -m bench.passkey --backends torch_native,dualdecoder
 	$(BIN)/python -m bench.capacity
-	$(BIN)/python -m bench.prefetch
+	$(BIN)/python -m bench.decode_speed
 
 # docs/benchmarks.md (tables, provenance) and its plots in docs/img from bench/results/*.json;
 # tests/test_bench_results.py fails when the committed page is stale. No server, no model.

@@ -7,7 +7,7 @@ Usage::
                                  [--select-worker] [--select-split] [--select-inline] [--torch-kernel]
                                  [--unpacked-dense]
                                  [--temperature 0.8] [--inline-transfer]
-                                 [--use-prefetched] [--hit-rate-sample 0.05] [--selectors host_sync]
+                                 [--hit-rate-sample 0.05] [--selectors host_sync]
 
 One run, two servers up at once with room for every request densely
 (``--max-total-tokens`` ``--pool-tokens``): SGLang's own dense path
@@ -73,14 +73,7 @@ With ``--inline-transfer`` one more ``dualdecoder`` server runs the preset with
 ring before attention, instead of read in place from the host tier, a CPU's
 default), its runs as ``dualdecoder_sparse_inline_transfer`` and
 ``in_place_over_inline`` the default's tokens/s over it.
-With ``--use-prefetched`` each cell also runs ``spec_host`` unverified on the
-``dualdecoder`` server (the default preset with ``experimental.request_overrides: true``,
-:func:`harness.client.preset_dict`): ``custom_params`` ``dd_selector: spec_host`` and
-``dd_miss_policy: use_prefetched`` (the prediction attended as it arrived, the
-previous default less its repairs after rejected speculations), as
-``dualdecoder_sparse_use_prefetched``; ``default_over_use_prefetched`` is the
-default's tokens/s over it and, with ``--selectors spec_host``,
-``spec_host_verify_over_use_prefetched`` what guaranteed recall costs ``spec_host``. Each sparse
+Each sparse
 breakdown also gives ``repairs`` (verified (request, layer) rows whose
 prediction missed a token) and ``repaired_tokens`` (the tokens fetched
 synchronously, summed over KV heads) per step.
@@ -207,8 +200,6 @@ RATIOS = (
     ("sparse_over_unpacked_dense", "dualdecoder_sparse", "sglang_dense_unpacked"),
     ("packed_over_unpacked_dense", "sglang_dense", "sglang_dense_unpacked"),
     ("in_place_over_inline", "dualdecoder_sparse", "dualdecoder_sparse_inline_transfer"),
-    ("default_over_use_prefetched", "dualdecoder_sparse", "dualdecoder_sparse_use_prefetched"),
-    ("spec_host_verify_over_use_prefetched", "dualdecoder_sparse_spec_host", "dualdecoder_sparse_use_prefetched"),
     ("hit_rate_sample_over_default", "dualdecoder_sparse_hit_rate_sample", "dualdecoder_sparse"),
     ("sparse_over_baseline_tree", "dualdecoder_sparse", "baseline_sparse"),
     ("dense_over_baseline_tree", "dualdecoder_dense", "baseline_dense"),
@@ -262,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline-transfer", action="store_true",
                     help="also run the sparse default on a server with experimental.transfer: inline (critical sets "
                          "copied into the ring, not read in place)")  # fmt: skip
-    ap.add_argument("--use-prefetched", action="store_true",
-                    help="also run spec_host with custom_params.dd_miss_policy use_prefetched (unverified)")  # fmt: skip
     ap.add_argument("--hit-rate-sample", type=float, default=None, metavar="F",
                     help="also run the sparse default on a server with prefetch.hit_rate_sample: F (0..1)")  # fmt: skip
     ap.add_argument("--baseline-tree", type=Path, default=None, metavar="PATH",
@@ -325,10 +314,6 @@ def main(argv: list[str] | None = None) -> int:
                         [("dualdecoder_dense", {"dd_sparse": False}, "dense"), ("dualdecoder_sparse", {}, "sparse")]),
     }  # fmt: skip
     servers["dualdecoder"][1].extend((f"dualdecoder_sparse_{x}", {"dd_selector": x}, "sparse") for x in extra)
-    if args.use_prefetched:
-        servers["dualdecoder"][1].append(("dualdecoder_sparse_use_prefetched",
-                                          {"dd_selector": "spec_host", "dd_miss_policy": "use_prefetched"},
-                                          "sparse"))  # fmt: skip
     if args.baseline_tree is not None:
         if not (args.baseline_tree / "dd_sglang" / "launch_server.py").is_file():
             ap.error(f"--baseline-tree must be a checkout of this project, got {str(args.baseline_tree)!r}")
@@ -419,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    default / inline selection {r['default_over_inline_select']:.2f}x")
         if "in_place_over_inline" in r:
             print(f"    in place / inline transfer {r['in_place_over_inline']:.2f}x")
-        for name in ("default_over_use_prefetched", "spec_host_verify_over_use_prefetched",
-                     "sparse_over_baseline_tree", "dense_over_baseline_tree"):
+        for name in ("sparse_over_baseline_tree", "dense_over_baseline_tree"):
             if name in r:
                 print(f"    {name} {r[name]:.2f}x")
         if "hit_rate_sample_over_default" in r:

@@ -16,15 +16,13 @@ attention), or with ``--dense full_top_k`` the ``dualdecoder`` server at
 prefill per prompt for the whole run). Sparse (one ``dualdecoder`` server, default CPU preset with
 ``prefetch.hit_rate_sample: 1`` so every step's prefetch recall is counted;
 per-request ``custom_params``): ``oracle`` (exact top-k of the real query);
-``spec_host+dual_token`` (the default configuration: verified against the real
-query's set at every layer), the same with ``dd_miss_policy: use_prefetched`` (unverified),
-``spec_host_exact+dual_token`` (every host key scored),
-``spec_host+ngram``, ``spec_host+none``, ``recency``, ``quest_device``, ``host_sync``
-(``spec_host``'s int8 index and re-ranking of the real query at attention
-time: no prediction); ``pressure`` (named only: the DualPath policy ``pressure``, under which a
-request stays dense while the pool holds it). ``--configs all`` runs every selector x
-speculator pair (selectors other than ``spec_host`` read no speculated token
-today, so those pairs repeat ``+none``). Each sparse configuration runs at
+``spec_host+dual_token`` (``spec_host`` predicting from ``dual_token``'s speculated query, verified
+against the real query's set at every layer), ``spec_host_exact+dual_token`` (every host key
+scored), ``recency``, ``quest_device``, ``host_sync`` (the CPU preset's: ``spec_host``'s int8 index
+and re-ranking of the real query at attention time, no prediction); ``pressure`` (named only: the
+DualPath policy ``pressure``, under which a request stays dense while the pool holds it).
+``--configs all`` runs every selector (the names of older results, ``spec_host+ngram``,
+``spec_host+none``, ``+use_prefetched``, were switches measured worse and deleted). Each sparse configuration runs at
 ``dd_top_k`` = context / 8, / 16, / 32 (a *cell* is context x configuration x k).
 
 **Per cell.**
@@ -92,20 +90,15 @@ from harness.client import (
 from harness.texts import available_texts, needle_prompt, text
 
 SELECTORS = ("spec_host", "spec_host_exact", "recency", "quest_device", "oracle", "host_sync")
-SPECULATORS = ("dual_token", "ngram", "none")
 DEFAULT_CONFIG = "spec_host+dual_token"
 #: Sparse configurations run by default: name -> custom_params (without dd_top_k).
 CONFIGS = {
-    "oracle": {"dd_selector": "oracle", "dd_speculator": "none"},
-    "spec_host+dual_token": {"dd_selector": "spec_host", "dd_speculator": "dual_token"},
-    "spec_host+dual_token+use_prefetched": {"dd_selector": "spec_host", "dd_speculator": "dual_token",
-                                            "dd_miss_policy": "use_prefetched"},
-    "spec_host_exact+dual_token": {"dd_selector": "spec_host_exact", "dd_speculator": "dual_token"},
-    "spec_host+ngram": {"dd_selector": "spec_host", "dd_speculator": "ngram"},
-    "spec_host+none": {"dd_selector": "spec_host", "dd_speculator": "none"},
-    "recency": {"dd_selector": "recency", "dd_speculator": "none"},
-    "quest_device": {"dd_selector": "quest_device", "dd_speculator": "none"},
-    "host_sync": {"dd_selector": "host_sync", "dd_speculator": "none"},
+    "oracle": {"dd_selector": "oracle"},
+    "spec_host+dual_token": {"dd_selector": "spec_host"},
+    "spec_host_exact+dual_token": {"dd_selector": "spec_host_exact"},
+    "recency": {"dd_selector": "recency"},
+    "quest_device": {"dd_selector": "quest_device"},
+    "host_sync": {"dd_selector": "host_sync"},
 }  # fmt: skip
 #: Configurations run only when named in ``--configs``: ``pressure`` is the DualPath policy that keeps a
 #: long request dense while the device pool holds it (issue 40); one request at a time in this
@@ -114,17 +107,14 @@ EXTRA_CONFIGS = {"pressure": {"dd_policy": "pressure"}}
 CAP = 16384
 #: ``--dense full_top_k``: dense answers from the dualdecoder server itself, every candidate attended
 #: (token-identical to dense: tests/dualdecoder/test_dualdecoder_e2e.py), so each prompt is prefilled once in the run.
-FULL_TOP_K = {"dd_top_k": 1_000_000, "dd_selector": "oracle", "dd_speculator": "none"}
+FULL_TOP_K = {"dd_top_k": 1_000_000, "dd_selector": "oracle"}
 RETRIEVAL_TOKENS = 12
 STOP = ["\n", "."]
 
 
 def all_configs() -> dict[str, dict]:
-    """Every selector x speculator pair, plus the default unverified (``use_prefetched``)."""
-    out = {f"{s}+{p}": {"dd_selector": s, "dd_speculator": p} for s in SELECTORS[:-1] for p in SPECULATORS}
-    out["host_sync"] = CONFIGS["host_sync"]  # reads no speculated query: one configuration
-    out["spec_host+dual_token+use_prefetched"] = CONFIGS["spec_host+dual_token+use_prefetched"]
-    return out
+    """Every selector (:data:`CONFIGS`)."""
+    return dict(CONFIGS)
 
 
 def parse_configs(arg: str | None) -> dict[str, dict]:
@@ -385,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-url", default=None, help="a running torch_native server (with "
                     "--enable-custom-logit-processor --disable-overlap-schedule: teacher forcing needs both) "
                     "instead of starting one")  # fmt: skip
-    ap.add_argument("--dd-url", default=None, help="a running dualdecoder server (same flag; its preset with "
-                    "experimental.request_overrides: true, as the configurations set dd_speculator) instead of "
-                    "starting one")  # fmt: skip
+    ap.add_argument("--dd-url", default=None, help="a running dualdecoder server (same flag) instead of starting one")  # fmt: skip
     ap.add_argument("--dd-metrics-url", default=None, help="its sidecar (needed with --dd-url)")
     ap.add_argument("--dense", choices=["torch_native", "full_top_k"], default="torch_native",
                     help="dense reference: a torch_native server, or the dualdecoder server at dd_top_k >= context "

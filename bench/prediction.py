@@ -4,7 +4,7 @@ Usage::
 
     python -m bench.prediction [--contexts 4000,7900] [--fractions 16,32] [--tokens 128]
                                [--texts licenses,python_docs,package_docs] [--windows 2]
-                               [--configs spec_host+dual_token,spec_host+ngram,recency]
+                               [--configs spec_host+dual_token,recency]
                                [--regimes greedy,sample_t0.8,teacher_forced]
                                [--variants default,d3=prefetch.depth:3]
                                [--dd-url URL --dd-metrics-url URL] [--skip-ceiling]
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--windows", type=int, default=2, help="text windows per text and context")
     ap.add_argument("--texts", default=None, help="comma list of harness.texts.TEXTS (default: all available)")
-    ap.add_argument("--configs", default="spec_host+dual_token,spec_host+ngram,recency")
+    ap.add_argument("--configs", default="spec_host+dual_token,recency")
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--variants", default="default", help="server variants (module docstring)")
     ap.add_argument("--dd-url", default=None)

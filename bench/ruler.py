@@ -17,7 +17,6 @@ request with the configuration's ``custom_params``:
 * ``dense``: ``{"dd_sparse": false}``, SGLang's dense decode on the same server;
 * ``default``: the preset's sparse path (``spec_host`` + ``dual_token``, verified);
 * ``spec_host``: the same selector named explicitly;
-* ``use_prefetched``: the default unverified (the prediction attended as it arrived);
 * ``host_sync`` and ``oracle``: exact selection at attention time (the int8 host index with exact
   re-ranking; every key scored);
 * ``top_k_512``, ``top_k_1024``: the default with a larger critical set (``dd_top_k``).
@@ -51,7 +50,6 @@ CONFIGS = {
     "dense": {"dd_sparse": False},
     "default": {},
     "spec_host": {"dd_selector": "spec_host"},
-    "use_prefetched": {"dd_miss_policy": "use_prefetched"},
     "host_sync": {"dd_selector": "host_sync"},
     "oracle": {"dd_selector": "oracle"},
     "top_k_512": {"dd_top_k": 512},
@@ -368,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             from harness.server import start_server
 
             tmp = Path(tempfile.mkdtemp(prefix="dd_ruler_"))
-            # The default preset, letting requests set dd_miss_policy (experimental.request_overrides).
+            # The preset (--preset), every step's prefetch hit rate measured.
             flags = ["--attention-backend", "dualdecoder", "--dd-config", str(bench_preset(tmp, None, base=args.preset)),
                      *COMMON_FLAGS, *(["--dtype", args.dtype] if args.dtype else [])]  # fmt: skip
             srv = start_server(tmp / "server.log", preset.server.max_total_tokens, flags, timeout=900)

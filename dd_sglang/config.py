@@ -287,21 +287,6 @@ class ExperimentalSection(_Strict):
     """Experiment switches: the arms a benchmark compares, and settings measured worse than their default.
     No shipped preset sets them; each default is the behaviour the measurements chose."""
 
-    speculator: Literal["dual_token", "ngram", "none"] = Field(
-        "dual_token",
-        description="Proposes the token after the current one, whose per-layer queries drive the lookahead "
-        "selectors: ``dual_token`` (it rides in the same forward pass as a second query position: the previous "
-        "second position's argmax when it was accepted, else prompt lookup); ``ngram`` (prompt lookup) and "
-        "``none`` (the current query: no lookahead) were measured worse.",
-    )
-    miss_policy: Literal["verify", "use_prefetched"] = Field(
-        "verify",
-        description="``verify``: at every layer the real query's own critical set, chosen as ``host_sync`` chooses "
-        "it, replaces the prefetched one; prefetched tokens it keeps stay, the ones the prediction missed are "
-        "fetched before attention (``dd_sglang.prefetch.verify``), so a lookahead row attends ``host_sync``'s set "
-        "whatever the speculated token was. ``use_prefetched`` attends over what arrived (it loses answers that "
-        "exact selection keeps).",
-    )
     transfer: Literal["auto", "worker", "inline", "in_place"] = Field(
         "auto",
         description="How critical-set K/V reaches attention: ``worker`` copies on a worker thread while earlier "
@@ -346,11 +331,6 @@ class ExperimentalSection(_Strict):
         "over layers and KV heads (DualPath's importance signal). Unmeasured; under tensor parallelism each rank "
         "ranks by its own heads' norms.",
     )  # fmt: skip
-    request_overrides: bool = Field(
-        False,
-        description="Let requests set ``custom_params.dd_speculator`` and ``dd_miss_policy`` (the switches above, "
-        "per request); ``false``: such a request gets HTTP 400 naming the field.",
-    )
 
 
 class DDConfig(_Strict):

@@ -57,14 +57,11 @@ def preset_dict(hit_rate_sample: float | None = 1.0, host_tier_bytes: int | None
                 sets: dict | None = None, base: str = "cpu-smollm2") -> dict:  # fmt: skip
     """The default CPU preset (``configs/cpu-smollm2.yaml``, or ``configs/<base>.yaml``, unvalidated) as the
     benchmarks' servers run it:
-    ``prefetch.hit_rate_sample`` set (1.0: every step measured; None: the preset's),
-    ``experimental.request_overrides: true`` (the benchmarks compare speculators and miss policies per
-    request), optionally ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free
+    ``prefetch.hit_rate_sample`` set (1.0: every step measured; None: the preset's), optionally ``sparse.host_tier_bytes`` (the launcher refuses a host tier larger than free
     memory), then ``sets``: dotted keys (``--set``, :func:`parse_sets`)."""
     preset = yaml.safe_load((ROOT / "configs" / f"{base}.yaml").read_text())
     if hit_rate_sample is not None:
         preset["prefetch"]["hit_rate_sample"] = hit_rate_sample
-    preset.setdefault("experimental", {})["request_overrides"] = True
     if host_tier_bytes is not None:
         preset["sparse"]["host_tier_bytes"] = host_tier_bytes
     return apply_sets(preset, sets)
@@ -225,8 +222,8 @@ class Counters:
         ``per_layer_recall`` = mean per-(step) recall of each layer (the per-layer histogram's
         sum / count), ``sparse_rows`` = (step, layer) rows decoded sparsely, ``repaired``/``misses``.
         """
-        sel, spec = custom.get("dd_selector", "spec_host"), custom.get("dd_speculator", "dual_token")
-        spec_lab = spec if sel == "spec_host" else "none"
+        sel, spec = custom.get("dd_selector", "spec_host"), "dual_token"
+        spec_lab = spec if sel in ("spec_host", "spec_host_exact") else "none"
         lab = f'{{selector="{sel}",speculator="{spec_lab}"}}'
         lookups = self.delta(f"dd_prefetch_lookups_total{lab}")
         top = self.delta(f"dd_prefetch_mass_top_k_total{lab}")
@@ -236,7 +233,7 @@ class Counters:
             c = self.delta(f'dd_prefetch_layer_hit_rate_count{{layer="{layer}"}}')
             if c:
                 per_layer[layer] = round(self.delta(f'dd_prefetch_layer_hit_rate_sum{{layer="{layer}"}}') / c, 5)
-        misses = sum(self.delta(f'dd_prefetch_misses_total{{policy="{p}"}}') for p in ("use_prefetched", "verify"))
+        misses = self.delta('dd_prefetch_misses_total{policy="verify"}')
         return {
             "lookups": int(lookups),
             "hits": int(self.delta(f"dd_prefetch_hits_total{lab}")),

@@ -104,7 +104,7 @@ def create_dualdecoder_radix_cache(ctx):
     cfg = current_config()
     total = cfg.sparse.host_tier_bytes
     params = SparseParams.from_config(cfg, host_tier_bytes=host_tier_share(total, ranks))
-    selectors, speculators, _, experimental = request_limits()  # what the tokenizer manager lets requests name
+    selectors, _ = request_limits()  # what the tokenizer manager lets requests name
     try:
         runtime = sparse_runtime.SparseRuntime(
             params,
@@ -117,9 +117,6 @@ def create_dualdecoder_radix_cache(ctx):
             on_path_change=_count_path_change if ranks.primary else None,
             on_pressure_offload=_count_pressure_offload if ranks.primary else None,
             selectors=selectors,
-            speculators=speculators,
-            speculator=cfg.experimental.speculator,
-            experimental_overrides=experimental,
         )
     except ValueError as err:
         raise ValueError(

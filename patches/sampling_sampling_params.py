@@ -1,8 +1,7 @@
 """Hook on ``sglang.srt.sampling.sampling_params.SamplingParams`` (tokenizer-manager process).
 
 * ``SamplingParams.verify`` (AFTER): validate a request's dd overrides in
-  ``custom_params`` (``dd_top_k``, ``dd_sparse``, ``dd_selector``, and where the preset sets
-  ``experimental.request_overrides`` ``dd_speculator`` and ``dd_miss_policy``;
+  ``custom_params`` (``dd_top_k``, ``dd_sparse``, ``dd_selector``, ``dd_policy``, ``dd_trace``;
   :func:`dd_sglang.kvcache.params.request_overrides`, within the preset's
   ``sparse.request_selectors`` and ``sparse.request_max_top_k``). A bad value raises the
   ``ValueError`` SGLang's own checks raise, so the client gets HTTP 400 naming

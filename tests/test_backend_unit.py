@@ -120,7 +120,6 @@ class Harness:
         row = self.r2t[2, :PROMPT].long().clone()
         self.k_all = [ok[i][row].clone() for i in range(LAYERS)]  # position -> K, every layer
         self.v_all = [ov[i][row].clone() for i in range(LAYERS)]
-        self.rt.admission.limits.speculator = "dual_token"  # the preset's default speculator
         self.rt.after_extend(SimpleNamespace(reqs=[self.req]), self.tree)
         self.st = self.rt.requests["r1"]
         self.events = Events()
@@ -205,21 +204,21 @@ def _kernel_params(kernel: str, **kw) -> PrefetchParams:
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
-    """Below full coverage a token rides; its query reads the row's resident and critical set (chosen a
-    step ahead by the previous speculated query) plus its own K/V column. ``native``: the per-layer
-    moves are the C row copies and single indexed copies (``prefetch/layer_rows.py``)."""
-    h = Harness(_kernel_params(kernel, miss_policy="use_prefetched"), top_k=24, selector="spec_host_exact")
+    """Below full coverage a token rides; its query reads the row's resident and critical set (the
+    verified one: the real query's exact top-k, rerank 100) plus its own K/V column. ``native``: the
+    per-layer moves are the C row copies and single indexed copies (``prefetch/layer_rows.py``)."""
+    h = Harness(_kernel_params(kernel, rerank=100), top_k=24, selector="spec_host_exact")
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
-    cand_prev = h.st.host_candidates()
-    _, qs_prev, _ = h.step()
+    h.step()
     resident = set(h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist())
+    cand = h.st.host_candidates()
     fb, qs, outs = h.step()
     assert fb.input_ids.numel() == 2
     assert h.backend.runner.fast == (kernel == "native")
     n = h.req.kv.kv_committed_len
     for i in range(LAYERS):
         q, k, v = qs[i]
-        sets = [s | resident for s in _topk_sets(qs_prev[i][0][1], h.k_all[i], cand_prev, 24)]
+        sets = [s | resident for s in _topk_sets(q[0], h.k_all[i], cand, 24)]
         ks, vs = torch.cat([h.k_all[i][:n], k[1:2]]), torch.cat([h.v_all[i][:n], v[1:2]])
         own = [s | {n} for s in sets]
         torch.testing.assert_close(outs[i][1].double(), _attend_sets(q[1], ks, vs, own), atol=1e-4, rtol=1e-4)
@@ -289,26 +288,24 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
                                                                                    monkeypatch):  # fmt: skip
     """Inline, the next step's sets are chosen in chunks of layers (all at once, one at a time); on
     the worker, per layer: every way gives each layer the set its own speculated query chose, copied
-    into the ring (``inline``) or read in place from the host tier (``in_place``, the C path)."""
+    into the ring (``inline``) or read in place from the host tier (``in_place``, the C path). What
+    verification counts shows it: the verified hits are the real query's top-k tokens that set held,
+    and each layer attends the real query's top-k (rerank 100: exact)."""
     from dd_sglang.prefetch import ahead_selection
 
     monkeypatch.setattr(ahead_selection, "SELECT_CHUNK_LAYERS", chunk)
-    h = Harness(_kernel_params(kernel, select=select, transfer=transfer, miss_policy="use_prefetched"), top_k=24,
+    h = Harness(_kernel_params(kernel, select=select, transfer=transfer, rerank=100), top_k=24,
                 selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()  # the candidates when the next step's sets are chosen
     fb, qs_prev, _ = h.step()  # cold: selects from the current query, queues next step's sets
     assert h.events.cold_n == LAYERS
     resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
+    cand = h.st.host_candidates()
     fb, qs, outs = h.step()
     assert h.events.cold_n == LAYERS  # not cold any more
-    for i in range(LAYERS):
-        spec_q = qs_prev[i][0][1]  # the speculated position's query of the previous step
-        chosen = _topk_sets(spec_q, h.k_all[i], cand_prev, 24)
-        sets = [chosen[kv] | set(resident) for kv in range(HKV)]
-        q = qs[i][0][0]
-        torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+    missed = _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
+    assert h.events.hits_lookups == [LAYERS * HKV * 24 - missed, LAYERS * HKV * 24]
     assert h.backend.runner.in_place.enabled == (transfer == "in_place")
     assert (h.backend.runner.in_place.table is not None) == (transfer == "in_place")
     # Bytes brought from the host tier (copied into the ring, or read in place): 24 tokens x 3 KV
@@ -351,7 +348,7 @@ def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_ta
 @pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
 @pytest.mark.parametrize("accepted", [True, False])
 def test_verify_attends_the_real_querys_top_k_whatever_was_prefetched(kernel, transfer, accepted):
-    """experimental.miss_policy verify (the default): after a rejected speculation and after an accepted one
+    """Verification (every ahead row): after a rejected speculation and after an accepted one
     alike, each layer's real query attends the resident set and its own exact top-k (host_sync's set:
     with rerank 100 every candidate is re-ranked exactly), not the set its previous speculated query
     chose; the tokens fetched synchronously are exactly the real top-k's tokens that set missed (copied

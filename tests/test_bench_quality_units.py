@@ -91,15 +91,15 @@ def test_prediction_variants_are_parsed_and_checked_by_the_preset_schema():
     from bench.prediction import parse_variants, variant_label
 
     assert parse_variants("default,d3=prefetch.depth:3,"
-                          "both=prefetch.depth:3/experimental.miss_policy:use_prefetched") == {
+                          "both=prefetch.depth:3/experimental.select:inline") == {
         "default": {},
         "d3": {"prefetch.depth": 3},
-        "both": {"prefetch.depth": 3, "experimental.miss_policy": "use_prefetched"},
+        "both": {"prefetch.depth": 3, "experimental.select": "inline"},
     }  # fmt: skip
     assert variant_label("spec_host+dual_token", "d3") == "spec_host+dual_token[d3]"
     assert variant_label("recency", "default") == "recency"
     for bad, needle in [("d99=prefetch.depth:99", "prefetch.depth"),
-                        ("x=experimental.miss_policy:sometimes", "experimental.miss_policy"),
+                        ("x=experimental.select:sometimes", "experimental.select"),
                         ("x=depth:2", "SECTION.KEY=VALUE"), ("x=experimental.branches:2", "unknown key 'experimental.branches'"),
                         ("x=nokey", "not SECTION.KEY:value"), ("default=prefetch.depth:2", "bad item"),
                         ("b=", "bad item"), ("a=prefetch.depth:2,a=prefetch.depth:1", "bad item"),
@@ -204,12 +204,12 @@ def test_set_overrides_are_dotted_preset_keys_on_the_bench_preset():
     from dd_sglang.config import parse_config
     from harness.client import parse_sets, preset_dict
 
-    sets = parse_sets(["prefetch.rerank=4", "experimental.kernel=torch", "experimental.request_overrides=false"])
-    assert sets == {"prefetch.rerank": 4, "experimental.kernel": "torch", "experimental.request_overrides": False}
+    sets = parse_sets(["prefetch.rerank=4", "experimental.kernel=torch", "experimental.n_keep=8"])
+    assert sets == {"prefetch.rerank": 4, "experimental.kernel": "torch", "experimental.n_keep": 8}
     cfg = parse_config(preset_dict(sets=sets))
-    assert (cfg.prefetch.rerank, cfg.experimental.kernel, cfg.experimental.request_overrides) == (4, "torch", False)
+    assert (cfg.prefetch.rerank, cfg.experimental.kernel, cfg.experimental.n_keep) == (4, "torch", 8)
     base = parse_config(preset_dict())
-    assert base.experimental.request_overrides and base.prefetch.hit_rate_sample == 1.0
+    assert base.prefetch.hit_rate_sample == 1.0
     with pytest.raises(ValueError, match="each key once"):
         parse_sets(["prefetch.rerank=4", "prefetch.rerank=2"])
 

@@ -53,7 +53,9 @@ def test_every_shipped_preset_validates():
         ({"experimental": {"kernel": "cuda"}}, ["experimental.kernel", "'native'", "cuda"]),
         ({"experimental": {"branches": 2}}, ["unknown key 'experimental.branches'"]),
         ({"experimental": {"sampling": "independent"}}, ["unknown key 'experimental.sampling'"]),
-        ({"experimental": {"request_overrides": "yes"}}, ["experimental.request_overrides", "valid boolean"]),
+        ({"experimental": {"request_overrides": True}}, ["unknown key 'experimental.request_overrides'"]),
+        ({"experimental": {"miss_policy": "use_prefetched"}}, ["unknown key 'experimental.miss_policy'"]),
+        ({"experimental": {"speculator": "ngram"}}, ["unknown key 'experimental.speculator'"]),
         ({"sparse": {"request_selectors": ["psychic"]}}, ["sparse.request_selectors.0", "'quest_device'", "psychic"]),
         ({"sparse": {"request_selectors": ["oracle", "oracle"]}}, ["sparse.request_selectors", "names a selector twice"]),
         ({"sparse": {"request_max_top_k": 0}}, ["sparse.request_max_top_k", "ge 1"]),
@@ -96,9 +98,10 @@ def test_the_shipped_schema_stays_small():
     shipped = [k for k in _leaf_keys(DDConfig) if not k.startswith("experimental.")]
     assert len(shipped) <= SHIPPED_KEYS_MAX, shipped
     assert len(shipped) == 29  # name, model 3 (path, rope_scaling, rope_factor), server 8, metrics 3, sparse 11, prefetch 3
-    moved = {"speculator", "miss_policy", "transfer", "select", "gather", "kernel", "n_keep", "first_level_tokens"}  # fmt: skip
-    assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | {"keep_signal"}) == set()
-    assert moved | {"request_overrides"} == set(ExperimentalSection.model_fields)
+    moved = {"transfer", "select", "gather", "kernel", "n_keep", "first_level_tokens"}
+    deleted = {"keep_signal", "speculator", "miss_policy", "branches", "confident", "sampling", "request_overrides"}
+    assert {k.rsplit(".", 1)[-1] for k in shipped} & (moved | deleted) == set()
+    assert moved == set(ExperimentalSection.model_fields)
 
 
 def test_no_shipped_preset_sets_an_experimental_key():
@@ -118,12 +121,10 @@ def test_the_runtime_settings_are_the_presets():
     from dd_sglang.prefetch.params import PrefetchParams
 
     cfg = parse_config({"prefetch": {"depth": 3, "rerank": 4.0},
-                        "experimental": {"kernel": "torch", "select": "split", "speculator": "ngram", "n_keep": 5,
-                                         "miss_policy": "use_prefetched"},
+                        "experimental": {"kernel": "torch", "select": "split", "n_keep": 5},
                         "sparse": {"top_k": 64, "request_max_top_k": 128}})  # fmt: skip
     p = PrefetchParams.from_config(cfg)
-    assert (p.depth, p.rerank, p.kernel, p.select, p.speculator, p.miss_policy) == (
-        3, 4.0, "torch", "split", "ngram", "use_prefetched")  # fmt: skip
+    assert (p.depth, p.rerank, p.kernel, p.select) == (3, 4.0, "torch", "split")
     assert asdict(PrefetchParams()) == asdict(PrefetchParams.from_config(DDConfig()))
     s = SparseParams.from_config(cfg, host_tier_bytes=4096 * 1024)
     assert (s.top_k, s.request_max_top_k, s.n_keep, s.host_tier_bytes, s.n_recent) == (64, 128, 5, 4096 * 1024, 128)
@@ -466,12 +467,11 @@ def test_value_lists_and_ranges_come_from_the_schema():
     """The runtime's lists of allowed values are the schema's own declarations, not copies."""
     from typing import get_args
 
-    from dd_sglang.config import ExperimentalSection, PathPolicy, SparseSection
+    from dd_sglang.config import PathPolicy, SparseSection
     from dd_sglang.kvcache.dualpath import PATH_POLICIES
-    from dd_sglang.kvcache.params import MISS_POLICIES, TOP_K_RANGE
+    from dd_sglang.kvcache.params import TOP_K_RANGE
 
     assert PATH_POLICIES == get_args(PathPolicy) == ("always", "pressure")
-    assert MISS_POLICIES == get_args(ExperimentalSection.model_fields["miss_policy"].annotation)
     top_k = {type(m).__name__: m for m in SparseSection.model_fields["top_k"].metadata}
     assert TOP_K_RANGE == (top_k["Ge"].ge, top_k["Le"].le) == (1, 1_000_000)
 

@@ -315,33 +315,20 @@ def test_request_overrides_are_validated_with_the_field_named():
         assert needle in str(e.value)
 
 
-def test_experiment_switches_need_the_presets_permission():
-    """``dd_speculator`` / ``dd_miss_policy`` are refused, naming the field and the preset key that allows
-    them, unless the preset sets ``experimental.request_overrides``; then they are checked as before."""
+def test_the_deleted_switches_are_refused_as_unknown_keys():
+    """``dd_speculator`` / ``dd_miss_policy`` (switches measured worse, deleted) are refused like any
+    unknown ``dd_`` key, naming the known ones; the scheduler's runtime holds the same check."""
     from dd_sglang.kvcache.params import request_overrides
 
-    sel, spec = ("oracle",), ("dual_token", "ngram", "none")
     for key, value in (("dd_speculator", "ngram"), ("dd_miss_policy", "use_prefetched")):
         with pytest.raises(ValueError) as e:
-            request_overrides({key: value, "dd_top_k": 8}, sel, spec)
-        assert f"custom_params.{key} is an experiment switch" in str(e.value)
-        assert "experimental.request_overrides: true" in str(e.value)
-    allowed = request_overrides({"dd_speculator": "ngram", "dd_miss_policy": "use_prefetched"}, sel, spec,
-                                experimental=True)  # fmt: skip
-    assert allowed == {"speculator": "ngram", "miss_policy": "use_prefetched"}
-    with pytest.raises(ValueError, match="dd_speculator must be one of"):
-        request_overrides({"dd_speculator": "oracle"}, sel, spec, experimental=True)
-
-
-def test_the_runtime_refuses_experiment_switches_its_preset_does_not_allow():
-    """The scheduler's runtime holds the same gate as the tokenizer manager (a request reaching it
-    anyway is refused there too); with the preset's permission it takes the switch."""
+            request_overrides({key: value, "dd_top_k": 8}, ("oracle",))
+        assert f"custom_params.{key} is not a dd_sglang override" in str(e.value)
+        assert "['dd_top_k', 'dd_selector', 'dd_sparse', 'dd_policy', 'dd_trace']" in str(e.value)
     rt, *_, req, _tree, _k, _v = setup(params())
     req.sampling_params = SimpleNamespace(custom_params={"dd_miss_policy": "use_prefetched"})
-    with pytest.raises(ValueError, match="experimental.request_overrides"):
+    with pytest.raises(ValueError, match="custom_params.dd_miss_policy is not a dd_sglang override"):
         rt.admission.overrides(req)
-    rt.admission.limits.experimental_overrides = True
-    assert rt.admission.overrides(req) == {"miss_policy": "use_prefetched"}
 
 
 def test_the_presets_request_limits_bound_the_overrides():
@@ -356,13 +343,13 @@ def test_the_presets_request_limits_bound_the_overrides():
     assert p.request_selector_names(known) == ("spec_host", "oracle", "recency")
     assert params(request_selectors=[]).request_selector_names(known) == ("oracle",)
     sel = p.request_selector_names(known)
-    assert request_overrides({"dd_top_k": 512, "dd_selector": "oracle"}, sel, (), p.request_top_k_max) == {
+    assert request_overrides({"dd_top_k": 512, "dd_selector": "oracle"}, sel, p.request_top_k_max) == {
         "top_k": 512, "selector": "oracle"}  # fmt: skip
     for bad, needle in [({"dd_top_k": 513}, "custom_params.dd_top_k must be an integer in [1, 512], got 513"),
                         ({"dd_selector": "quest_device"}, "custom_params.dd_selector must be one of "
                          "['spec_host', 'oracle', 'recency'] on this server, got 'quest_device'")]:  # fmt: skip
         with pytest.raises(ValueError) as e:
-            request_overrides(bad, sel, (), p.request_top_k_max)
+            request_overrides(bad, sel, p.request_top_k_max)
         assert needle in str(e.value)
 
 

@@ -1,23 +1,16 @@
-"""Speculators: prompt lookup against hand-worked histories, dual_token's accept/fallback rule, counting."""
+"""The speculator: prompt lookup against hand-worked histories, dual_token's accept/fallback rule, counting."""
 
 from __future__ import annotations
 
-import pytest
-
-from dd_sglang.prefetch.speculators import (
-    SPECULATORS,
-    DualTokenSpeculator,
-    NgramSpeculator,
-    NoSpeculator,
-    SpecState,
-    make_speculator,
-    ngram_propose,
-    verify,
-)
+from dd_sglang.prefetch import speculators
+from dd_sglang.prefetch.speculators import DualTokenSpeculator, SpecState, ngram_propose, verify
 
 
-def test_names():
-    assert set(SPECULATORS) == {"dual_token", "ngram", "none"}
+def test_one_speculator_is_left():
+    """``ngram`` and ``none`` as speculators of their own were measured worse and deleted: prompt lookup
+    survives only as ``dual_token``'s fallback."""
+    assert DualTokenSpeculator.name == "dual_token"
+    assert not any(hasattr(speculators, n) for n in ("NgramSpeculator", "NoSpeculator", "SPECULATORS", "make_speculator"))
 
 
 def test_ngram_takes_the_longest_recurring_suffix_most_recent_first():
@@ -56,14 +49,6 @@ def test_dual_token_rides_one_token_however_unsure_its_argmax():
     """The runner-up never rides (``experimental.branches`` is gone: measured worse)."""
     unsure = SpecState(riding=(42,), top=[(77, 0.3, 78, 0.29)], branch=0)
     assert DualTokenSpeculator().propose([1, 42], unsure) == (77,)
-    assert isinstance(make_speculator("dual_token"), DualTokenSpeculator)
-    with pytest.raises(ValueError, match="speculator must be one of"):
-        make_speculator("psychic")
-
-
-def test_none_and_ngram_speculators():
-    assert NoSpeculator().propose([1, 2, 1], SpecState()) == ()
-    assert NgramSpeculator().propose([1, 2, 1], SpecState()) == (2,)
 
 
 def test_verify_finds_the_riding_token_that_was_real_and_counts():

@@ -1,7 +1,7 @@
 """What a request may choose and what SGLang's admission reserves for it.
 
-* :class:`RequestLimits`: the selectors, speculators and overrides this server lets a
-  request name in ``custom_params`` (the preset's ``sparse`` and ``experimental`` keys).
+* :class:`RequestLimits`: the selectors this server lets a request name in ``custom_params``
+  (the preset's ``sparse`` keys).
 * :class:`Admission`: enters a request into the :class:`~dd_sglang.kvcache.sparse_request.RequestTable`
   with its DualPath and choices (:meth:`Admission.track`), and answers SGLang's admission
   hooks (``patches/managers_schedule_policy.py``): the device slots a request being admitted
@@ -29,16 +29,9 @@ class RequestLimits:
 
     Attributes:
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
-        speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
-        speculator: the preset's speculator (``experimental.speculator``).
-        experimental_overrides: the preset's ``experimental.request_overrides``: requests may
-            set ``custom_params.dd_speculator`` and ``dd_miss_policy``.
     """
 
     selectors: tuple[str, ...] = ("oracle",)
-    speculators: tuple[str, ...] = ("none",)
-    speculator: str = "none"
-    experimental_overrides: bool = False
 
 
 class Admission:
@@ -65,8 +58,7 @@ class Admission:
         (:func:`~dd_sglang.kvcache.params.request_overrides`; raises its ``ValueError``)."""
         custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
         lim = self.limits
-        return request_overrides(custom, lim.selectors, lim.speculators, self.params.request_top_k_max,
-                                 lim.experimental_overrides)  # fmt: skip
+        return request_overrides(custom, lim.selectors, self.params.request_top_k_max)
 
     def track(self, req) -> SparseRequest:
         """``req``'s :class:`SparseRequest`, entered into the table on first sight."""
@@ -91,8 +83,6 @@ class Admission:
                 choice=RequestChoices(
                     top_k=over.get("top_k", self.params.top_k),
                     selector=over.get("selector", self.params.selector),
-                    speculator=over.get("speculator", self.limits.speculator),
-                    miss_policy=over.get("miss_policy"),
                     trace=over.get("trace", False),
                 ),
                 req=req,

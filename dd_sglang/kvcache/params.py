@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 import psutil
 
-from dd_sglang.config import DDConfig, ExperimentalSection, SparseSection, bounds, choices
+from dd_sglang.config import DDConfig, SparseSection, bounds
 from dd_sglang.kvcache.dualpath import PATH_POLICIES
 
 #: Host memory left available beside the host tier, in bytes. SGLang's HiCache keeps
@@ -109,21 +109,14 @@ class SparseParams:
 
 #: Per-request overrides a client may put in ``sampling_params.custom_params``
 #: (OpenAI routes: the ``custom_params`` body field), with their allowed values.
-#: ``dd_speculator`` and ``dd_miss_policy`` are experiment switches (:data:`EXPERIMENT_OVERRIDES`).
 OVERRIDE_TOP_K = "dd_top_k"
 OVERRIDE_SELECTOR = "dd_selector"
-OVERRIDE_SPECULATOR = "dd_speculator"
-OVERRIDE_MISS_POLICY = "dd_miss_policy"
 OVERRIDE_SPARSE = "dd_sparse"
 OVERRIDE_POLICY = "dd_policy"
 #: ``dd_trace: true`` asks for an attention trace of the request (:mod:`dd_sglang.prefetch.trace`), allowed
 #: only on a server started with this environment variable naming the trace directory.
 OVERRIDE_TRACE = "dd_trace"
 TRACE_DIR_ENV = "DD_SGLANG_TRACE_DIR"
-#: The schema's values of ``experimental.miss_policy`` (declared once, in :mod:`dd_sglang.config`).
-MISS_POLICIES = choices(ExperimentalSection, "miss_policy")
-#: Overrides a request may give only where the preset sets ``experimental.request_overrides: true``.
-EXPERIMENT_OVERRIDES = (OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY)
 #: The schema's range of ``sparse.top_k``, which a request's ``dd_top_k`` shares.
 TOP_K_RANGE = bounds(SparseSection, "top_k")
 
@@ -131,12 +124,10 @@ TOP_K_RANGE = bounds(SparseSection, "top_k")
 def request_overrides(
     custom_params,
     selectors: tuple[str, ...],
-    speculators: tuple[str, ...] = (),
     max_top_k: int = TOP_K_RANGE[1],
-    experimental: bool = False,
 ) -> dict:
-    """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "speculator": str,
-    "miss_policy": str, "sparse": bool, "policy": str, "trace": bool}`` (keys present only). ``dd_sparse: false`` keeps a
+    """Validate a request's dd overrides; returns ``{"top_k": int, "selector": str, "sparse": bool,
+    "policy": str, "trace": bool}`` (keys present only). ``dd_sparse: false`` keeps a
     request on the dense path whatever its length (an exact answer, or a dense reference beside sparse
     ones); ``dd_policy`` (one of :data:`PATH_POLICIES`) replaces the preset's ``sparse.policy`` for it.
 
@@ -144,15 +135,13 @@ def request_overrides(
         custom_params: SGLang's ``SamplingParams.custom_params`` (a dict or None; anything else
             is refused: ``/generate`` passes any JSON value through).
         selectors: the allowed selector names (:meth:`SparseParams.request_selector_names`).
-        speculators: the allowed speculator names.
         max_top_k: the largest ``dd_top_k`` allowed (:attr:`SparseParams.request_top_k_max`).
-        experimental: the preset's ``experimental.request_overrides``: whether
-            :data:`EXPERIMENT_OVERRIDES` may be given.
 
     Raises:
         ValueError: ``custom_params`` not a dict, a ``dd_`` key in any case that is not one of
-            the overrides (a typo would otherwise be ignored), an experiment switch where
-            ``experimental`` is false, or an override has the wrong type or is out of range; the message names
+            the overrides (a typo would otherwise be ignored; so would ``dd_speculator`` and
+            ``dd_miss_policy``, switches measured worse and deleted), or an override has the wrong
+            type or is out of range; the message names
             the field and the allowed values. SGLang turns it into an HTTP 400 before the
             request is queued (``patches/sampling_sampling_params.py``).
     """
@@ -162,12 +151,10 @@ def request_overrides(
         raise ValueError(
             f"custom_params must be a JSON object such as {{\"{OVERRIDE_TOP_K}\": 256}}, got {type(custom_params).__name__}"
         )
-    _check_override_keys(custom_params, experimental)
+    _check_override_keys(custom_params)
     out = _scalar_overrides(custom_params, max_top_k)
     for key, field, allowed in (
         (OVERRIDE_SELECTOR, "selector", selectors),
-        (OVERRIDE_SPECULATOR, "speculator", speculators),
-        (OVERRIDE_MISS_POLICY, "miss_policy", MISS_POLICIES),
         (OVERRIDE_POLICY, "policy", PATH_POLICIES),
     ):
         if key in custom_params:
@@ -178,20 +165,14 @@ def request_overrides(
     return out
 
 
-def _check_override_keys(custom_params: dict, experimental: bool) -> None:
-    """Refuse a ``dd_`` key in any case that is not an override, and an experiment switch where
-    ``experimental`` is false (:func:`request_overrides`); ValueError naming the key."""
-    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPECULATOR, OVERRIDE_MISS_POLICY, OVERRIDE_SPARSE,
-             OVERRIDE_POLICY, OVERRIDE_TRACE)  # fmt: skip
+def _check_override_keys(custom_params: dict) -> None:
+    """Refuse a ``dd_`` key in any case that is not an override (:func:`request_overrides`); ValueError
+    naming the key and the known ones."""
+    known = (OVERRIDE_TOP_K, OVERRIDE_SELECTOR, OVERRIDE_SPARSE, OVERRIDE_POLICY, OVERRIDE_TRACE)
     for key in custom_params:
         if isinstance(key, str) and key.lower().startswith("dd_") and key not in known:
             raise ValueError(
                 f"custom_params.{key} is not a dd_sglang override (keys are lower case); known: {list(known)}"
-            )
-        if key in EXPERIMENT_OVERRIDES and not experimental:
-            raise ValueError(
-                f"custom_params.{key} is an experiment switch: this server's preset does not allow it "
-                "(it needs experimental.request_overrides: true)"
             )
 
 

@@ -30,15 +30,11 @@ class RequestChoices:
     Attributes:
         top_k: critical-set size.
         selector: selector name (:mod:`dd_sglang.prefetch.selectors`).
-        speculator: speculator name (:mod:`dd_sglang.prefetch.speculators`).
-        miss_policy: the request's ``dd_miss_policy`` override, or None (the preset's).
         trace: it asked for an attention trace (``dd_trace``, :mod:`dd_sglang.prefetch.trace`).
     """
 
     top_k: int = 0
     selector: str = ""
-    speculator: str = "none"
-    miss_policy: str | None = None
     trace: bool = False
 
 
@@ -71,7 +67,7 @@ class SparseRequest:
         win_start: positions ``[win_start, kv end)`` are resident (the window).
         released: the device slots outside the resident set have been given up.
         tail_flushed: the decode tail left on the device at release went to the host tier.
-        choice: its critical-set size, selector, speculator and miss policy (:class:`RequestChoices`).
+        choice: its critical-set size, selector and trace request (:class:`RequestChoices`).
         req: SGLang's ``Req`` (its token ids feed the speculators).
         retry: when a failed offload may be tried again (:class:`RetryMarks`).
 

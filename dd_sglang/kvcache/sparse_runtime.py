@@ -97,10 +97,6 @@ class SparseRuntime:
         on_pressure_offload: called with the trigger (``admission``, ``retraction``) of each
             offload the ``pressure`` policy made (metrics).
         selectors: selector names a request may choose with ``custom_params.dd_selector``.
-        speculators: speculator names a request may choose with ``custom_params.dd_speculator``.
-        speculator: the preset's speculator (``experimental.speculator``).
-        experimental_overrides: the preset's ``experimental.request_overrides``: requests may
-            set ``custom_params.dd_speculator`` and ``dd_miss_policy``.
 
     Attributes:
         params, host: the parameters and the host tier.
@@ -129,9 +125,6 @@ class SparseRuntime:
         on_path_change: Callable[[str], None] | None = None,
         on_pressure_offload: Callable[[str], None] | None = None,
         selectors: tuple[str, ...] = ("oracle",),
-        speculators: tuple[str, ...] = ("none",),
-        speculator: str = "none",
-        experimental_overrides: bool = False,
     ):
         v_dim = getattr(device_pool, "v_head_dim", device_pool.head_dim)
         if v_dim != device_pool.head_dim:
@@ -153,7 +146,7 @@ class SparseRuntime:
         self.buffers = DecodeBuffers()
         self.table = RequestTable()
         self.prefixes = HostPrefixEntries(self.host, device_pool)
-        limits = RequestLimits(selectors, speculators, speculator, experimental_overrides)
+        limits = RequestLimits(selectors)
         self.admission = Admission(params, limits, self.table, self.prefixes, self.hooks)
         device = DeviceSlots(device_pool, allocator, req_to_token)
         self.offloader = Offloader(params, device, self.prefixes, self.table, self.tally, self.hooks)

@@ -185,18 +185,17 @@ PREFETCH_COLD = Counter(
 PREFETCH_MISSES = Counter(
     "dd_prefetch_misses",
     "Lookahead (request, layer) steps whose prefetched set missed tokens of the real query's set, by miss "
-    "policy: verify (the missed tokens were fetched before attention) or use_prefetched (counted after a "
-    "rejected speculated token; attended over what arrived).",
+    "policy: verify (the missed tokens were fetched before attention; the only policy).",
     ["policy"],
 )
 PREFETCH_REPAIRED_TOKENS = Counter(
     "dd_prefetch_repaired_tokens",
     "Tokens (summed over KV heads) of the real query's critical set that the prediction missed and "
-    "verification (experimental.miss_policy verify) fetched synchronously before attention.",
+    "verification fetched synchronously before attention.",
 )
 PREFETCH_VERIFIED_HITS = Counter(
     "dd_prefetch_verified_hits",
-    "Every verified lookahead (request, layer) (experimental.miss_policy verify): tokens of the real query's "
+    "Every verified lookahead (request, layer): tokens of the real query's "
     "critical set (host_sync's top-k) that the set fixed one step earlier held. Hit rate = hits / lookups, "
     "over every decode step (no sampling).",
     ["selector", "speculator"],
@@ -210,7 +209,7 @@ CRITICAL_SET_RECALL_HELD = Counter(
     "dd_critical_set_recall_held",
     "Lookahead selectors, sampled steps (prefetch.hit_rate_sample): tokens of host_sync's top-k for the real "
     "query (selected again, apart from the step) that the set the layer attended held. Recall = held / "
-    "lookups: 1 under experimental.miss_policy verify (guaranteed recall).",
+    "lookups: 1 (verification: guaranteed recall).",
     ["selector", "speculator"],
 )
 CRITICAL_SET_RECALL_LOOKUPS = Counter(
@@ -341,9 +340,9 @@ LABEL_VALUES = {
     "from": "DualPath state the request left: " + ", ".join(DUALPATH_STATES),
     "to": "DualPath state the request entered: " + ", ".join(DUALPATH_STATES),
     "selector": "critical-set selector: oracle, spec_host, spec_host_exact, quest_device, recency, host_sync",
-    "speculator": "speculator: dual_token, ngram, none (selectors other than spec_host read no speculated "
-    "token and count under none)",
-    "policy": "miss policy: verify, use_prefetched",
+    "speculator": "speculator: dual_token (selectors other than spec_host and spec_host_exact read no "
+    "speculated token and count under none)",
+    "policy": "miss policy: verify",
     "source": "cuda_allocator (CUDA) or cpu_device_pool (no accelerator)",
     "layer": "transformer layer index, 0 .. layers - 1",
     "phase": "decode step phase: plan, select, assemble, attention, select_ahead",
@@ -383,8 +382,7 @@ READING = {
     "bench/results/index_recall_cpu.json). 1 - hit rate is the share fetched synchronously; on a GPU "
     "that share waits, the rest arrived during earlier layers.",
     "dd_critical_set_recall_held": "rate(this) / rate(dd_critical_set_recall_lookups_total) = 1 means every "
-    "sampled layer attended all of host_sync's set (guaranteed recall); below 1 only with "
-    "experimental.miss_policy use_prefetched.",
+    "sampled layer attended all of host_sync's set (guaranteed recall); below 1 would be a bug.",
     "dd_spec_accepted": "Acceptance = rate(dd_spec_accepted_total) / rate(dd_spec_proposed_total) per "
     "speculator. A rejected speculation degrades the next step's set toward the previous step's.",
     "dd_transfer_wait_seconds": "histogram_quantile(0.99, rate(dd_transfer_wait_seconds_bucket[5m])): "

@@ -31,21 +31,17 @@ def current_config() -> DDConfig:
 
 
 @cache
-def request_limits() -> tuple[tuple[str, ...], tuple[str, ...], int, bool]:
+def request_limits() -> tuple[tuple[str, ...], int]:
     """What a request's ``custom_params`` overrides may name in this process: ``(selector names,
-    speculator names, largest dd_top_k, whether the experiment switches dd_speculator and
-    dd_miss_policy are allowed)``, from the preset's ``sparse.request_selectors``,
-    ``sparse.request_max_top_k`` (:class:`~dd_sglang.kvcache.params.SparseParams`) and
-    ``experimental.request_overrides``; cached. The tokenizer manager checks a request with them
-    (:func:`~dd_sglang.kvcache.params.request_overrides`), and the scheduler's runtime holds the same."""
+    largest dd_top_k)``, from the preset's ``sparse.request_selectors`` and ``sparse.request_max_top_k``
+    (:class:`~dd_sglang.kvcache.params.SparseParams`); cached. The tokenizer manager checks a request
+    with them (:func:`~dd_sglang.kvcache.params.request_overrides`), and the scheduler's runtime holds
+    the same."""
     from dd_sglang.kvcache.params import SparseParams
     from dd_sglang.prefetch.selectors import SELECTORS
-    from dd_sglang.prefetch.speculators import SPECULATORS
 
-    cfg = current_config()
-    params = SparseParams.from_config(cfg)
-    return (params.request_selector_names(tuple(SELECTORS)), tuple(SPECULATORS), params.request_top_k_max,
-            cfg.experimental.request_overrides)  # fmt: skip
+    params = SparseParams.from_config(current_config())
+    return params.request_selector_names(tuple(SELECTORS)), params.request_top_k_max
 
 
 @cache

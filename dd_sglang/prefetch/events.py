@@ -25,8 +25,7 @@ class PrefetchEvents:
 
     def miss(self, policy: str, n: int, repaired_tokens: int) -> None:
         """``n`` lookahead (request, layer)s' prefetched sets missed tokens of the real query's set:
-        ``verify`` fetched ``repaired_tokens`` of them before attention; ``use_prefetched`` (counted
-        after a rejected speculation) attended over what arrived."""
+        ``verify`` (the only policy) fetched ``repaired_tokens`` of them before attention."""
 
     def verified(self, selector: str, speculator: str, hits: int, lookups: int) -> None:
         """A step's verified lookahead (request, layer)s: ``hits`` of ``lookups`` (= top_k x KV heads,

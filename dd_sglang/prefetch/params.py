@@ -20,9 +20,7 @@ class PrefetchParams:
     meaning (rendered in ``docs/configuration.md``); the defaults here are read from there.
     """
 
-    speculator: str = _EXPERIMENTAL.speculator
     depth: int = _PREFETCH.depth
-    miss_policy: str = _EXPERIMENTAL.miss_policy
     hit_rate_sample: float = _PREFETCH.hit_rate_sample
     rerank: float = _PREFETCH.rerank
     transfer: str = _EXPERIMENTAL.transfer

@@ -31,7 +31,7 @@ tensors. Building a plan:
 4. **Attention layout.** Per row, columns ``[0, n_res)`` hold the resident
    set, ``[n_res, n_res + k)`` the critical set, then one column for the speculated token's own K/V. The
    mask ``[rows, 2, columns]`` says which columns each of the two queries (real,
-   speculated) reads. The *ahead* rows under ``experimental.miss_policy: verify`` (``checks.verify_rows``)
+   speculated) reads. The *ahead* rows (``checks.verify_rows``: all of them)
    have their critical-set columns checked against the real query's own set at each layer
    (:mod:`dd_sglang.prefetch.verify`): what the prediction missed is swapped in before attention.
 5. **Exact rows.** A *full* row needs no prediction (its next set is again its
@@ -59,6 +59,7 @@ from dd_sglang.prefetch.plan_rows import (
 )
 from dd_sglang.prefetch.predictions import NextSets, PredictionStore, RequestPrediction
 from dd_sglang.prefetch.scoring import RowBlocks, row_blocks
+from dd_sglang.prefetch.speculators import DualTokenSpeculator
 from dd_sglang.prefetch.step_plan import (
     CheckedRows,
     ColumnLayout,
@@ -153,7 +154,7 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         selection=_selections(rows, n_fixed, ahead_rows, qidx),
         layout=layout,
         spec=_riding_tokens(rows, spec, spec_tok, layout.n_res + layout.k, dev),
-        checks=_checked_rows(rows, n_ahead, inp),
+        checks=_checked_rows(n_ahead, inp),
         requests=_row_requests(rows),
         exact=_exact_rows(rows, n_ahead, n_fixed, layout.n_res, dev),
     )
@@ -198,13 +199,11 @@ def _column_layout(fb, rows: list[PlanRow], req_to_token: torch.Tensor, k: int, 
     )
 
 
-def _checked_rows(rows: list[PlanRow], n_ahead: int, inp: PlanInputs) -> CheckedRows:
-    """:class:`CheckedRows` among the ahead rows ``[0, n_ahead)``: those under the ``verify`` miss
-    policy (the row's own, else ``inp.miss_policy``), and a ``inp.hit_rate_sample`` share drawn from
-    ``inp.rng`` (one draw per ahead row, in order)."""
-    verify = [j for j in range(n_ahead) if (rows[j].st.choice.miss_policy or inp.miss_policy) == "verify"]
+def _checked_rows(n_ahead: int, inp: PlanInputs) -> CheckedRows:
+    """:class:`CheckedRows` among the ahead rows ``[0, n_ahead)``: every one is verified, and a
+    ``inp.hit_rate_sample`` share is sampled, drawn from ``inp.rng`` (one draw per ahead row, in order)."""
     sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
-    return CheckedRows(torch.tensor(verify, dtype=torch.int64), torch.tensor(sampled, dtype=torch.int64))
+    return CheckedRows(torch.arange(n_ahead, dtype=torch.int64), torch.tensor(sampled, dtype=torch.int64))
 
 
 def row_seed(r: PlanRow) -> int:
@@ -232,8 +231,7 @@ def _row_requests(rows: list[PlanRow]) -> RowRequests:
     """:class:`RowRequests` of ``rows``, with each row's coupled-sampling seed."""
     return RowRequests(
         rids=tuple(r.st.rid for r in rows),
-        rejected=tuple(r.rejected for r in rows),
-        labels=tuple((r.selector.name, r.st.choice.speculator if r.selector.uses_speculator else "none") for r in rows),
+        labels=tuple((r.selector.name, DualTokenSpeculator.name if r.selector.uses_speculator else "none") for r in rows),
         seeds=tuple(row_seed(r) for r in rows),
     )
 

@@ -14,23 +14,22 @@ import torch
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.predictions import PredictionStore
 from dd_sglang.prefetch.selectors import SELECTORS, Selector, make_selector
-from dd_sglang.prefetch.speculators import SPECULATORS, Speculator, make_speculator
+from dd_sglang.prefetch.speculators import DualTokenSpeculator
 
 
 @dataclass(frozen=True)
 class PlanInputs:
     """What :func:`build_step_plan` reads besides the forward batch (wired once by the backend).
 
-    ``selectors`` / ``speculators``: instances by name; ``indexes``: key index by location
+    ``selectors``: instances by name; ``speculator``: the speculator; ``indexes``: key index by location
     (``"host"``, ``"device"``), created on first use by ``make_index(location)``.
     """
 
     req_to_token: torch.Tensor
     selectors: dict[str, Selector]
-    speculators: dict[str, Speculator]
+    speculator: DualTokenSpeculator
     store: PredictionStore
     make_index: object  # Callable[[str], KeyBlockIndex]
-    miss_policy: str
     hit_rate_sample: float
     rng: random.Random
 
@@ -38,17 +37,15 @@ class PlanInputs:
     def from_params(cls, params: PrefetchParams, req_to_token: torch.Tensor, make_index, native: bool,
                     seed: int) -> PlanInputs:  # fmt: skip
         """The runner's inputs: one selector per name of :data:`SELECTORS` (the C kernel where
-        ``native``), one speculator per name of :data:`SPECULATORS`, a fresh prediction store, the
-        preset's miss policy and hit-rate settings, and a hit-rate sampling RNG seeded
+        ``native``), the speculator, a fresh prediction store, the preset's hit-rate settings, and a hit-rate sampling RNG seeded
         with ``seed``."""
         return cls(
             req_to_token=req_to_token,
             selectors={name: make_selector(name, params.rerank, native, params.first_level_tokens)
                        for name in SELECTORS},  # fmt: skip
-            speculators={n: make_speculator(n) for n in SPECULATORS},
+            speculator=DualTokenSpeculator(),
             store=PredictionStore(),
             make_index=make_index,
-            miss_policy=params.miss_policy,
             hit_rate_sample=params.hit_rate_sample,
             rng=random.Random(seed),
         )

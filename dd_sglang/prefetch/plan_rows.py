@@ -35,7 +35,6 @@ class PlanRow:
     token: int = 0
     position: int = 0
     spec_tokens: tuple[int, ...] = ()
-    rejected: bool = False
     kind: str = "sync"  # ahead | full | sync
 
 
@@ -62,9 +61,8 @@ def speculate(rows: list[PlanRow], inp: PlanInputs, on_verify) -> None:
             continue
         ok = verify(r.pred.spec, r.token)
         if ok is not None:
-            on_verify(r.st.choice.speculator, ok)
-        r.rejected = ok is False
-        tok = inp.speculators[r.st.choice.speculator].propose(token_history(r.st, r.token), r.pred.spec)
+            on_verify(inp.speculator.name, ok)
+        tok = inp.speculator.propose(token_history(r.st, r.token), r.pred.spec)
         r.pred.spec.riding, r.pred.spec.top = tok, [None] * len(tok)
         r.spec_tokens = tok
 

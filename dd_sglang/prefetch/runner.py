@@ -14,7 +14,7 @@ The attention backend calls, per decode step and layer::
    layers ahead, :mod:`dd_sglang.prefetch.schedule`);
 2. selects and gathers the *sync* rows' sets (one selector call per selector
    in the batch), and verifies the *ahead* rows' prefetched sets against the
-   real query's own (``experimental.miss_policy: verify``, :mod:`dd_sglang.prefetch.verify`):
+   real query's own (:mod:`dd_sglang.prefetch.verify`):
    the tokens the prediction missed replace the ones it should not have
    fetched, copied synchronously, so each layer attends the set ``host_sync``
    would choose;
@@ -150,10 +150,9 @@ class SparseStepRunner:
         blocks = StepBlocks()
         host_sync = self.inputs.selectors["host_sync"]
         self.probe = HitRateProbe(host, self.indexes, host_sync, SELECTORS["oracle"](), native, self.events, blocks)
-        #: ``experimental.miss_policy: verify``: the real query's set, chosen as ``host_sync`` chooses it.
+        #: Verification: the real query's set, chosen as ``host_sync`` chooses it, for every ahead row.
         self.verification = LayerVerification(host, host_sync, self.indexes, self.in_place, self.tally, blocks,
                                               self.probe.attended)  # fmt: skip
-        self._use_misses = 0  # rows whose rejected speculation is not verified: counted each layer
         #: Requests that asked for an attention trace (``dd_trace``; :mod:`dd_sglang.prefetch.trace`).
         self.trace = AttentionTrace(host)
 
@@ -217,8 +216,6 @@ class SparseStepRunner:
             self.schedule.end_step()
             self.ring.release()
             return None
-        verified = set(plan.checks.verify_rows.tolist())
-        self._use_misses = sum(plan.requests.rejected[j] and j not in verified for j in range(plan.n_ahead))
         self.probe.attended.clear()
         self.ring.reserve(plan.num_rows, self.host.k.shape[2], plan.layout.columns, self.host.k.shape[3])
         self.in_place.begin(plan)
@@ -379,8 +376,6 @@ class SparseStepRunner:
             q = q3[qidx[sampled.to(qidx.device), 0]].detach().to("cpu", copy=True)
             attended = self.probe.attended.get(layer)
             self.schedule.submit_select(lambda: self.probe.measure(plan, layer, q, scale, attended))
-        if self._use_misses > 0:
-            self.tally.miss("use_prefetched", self._use_misses, 0)
         if layer == self.host.layer_num - 1:
             self.tally.flush(self.events)
             if self.trace.rows:

@@ -309,8 +309,7 @@ class HostSyncSelector(SpecHostSelector):
     index's (``bench.index_recall``: 0.999 at k 256, 4k and 7.9k tokens). The cost is the
     schedule: the set is known only once the layer's query is, so its selection and copy sit
     in front of the layer's attention, with nothing to overlap them. The index lives in host
-    memory: no device bytes. Verification (``experimental.miss_policy: verify``,
-    :mod:`dd_sglang.prefetch.verify`) makes every lookahead row attend this selector's set.
+    memory: no device bytes. Verification (:mod:`dd_sglang.prefetch.verify`) makes every lookahead row attend this selector's set.
     """
 
     name = "host_sync"

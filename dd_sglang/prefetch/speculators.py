@@ -1,7 +1,7 @@
-"""Speculators: propose the token after the current one, so its queries can pick step t+1's critical set.
+"""The speculator: proposes the token after the current one, so its queries can pick step t+1's critical set.
 
 At decode step t a ``DECODE_SPARSE`` request feeds its real token ``x_t`` (position
-``p``). A speculator may add a speculated token ``x̂_{t+1}`` (position ``p + 1``) to
+``p``). The speculator may add a speculated token ``x̂_{t+1}`` (position ``p + 1``) to
 the *same* forward pass as a second query position of that request (the
 ``dualdecoder`` attention backend appends it to the batch; its K/V is never
 written to the KV cache and its logits are cut before sampling,
@@ -9,9 +9,9 @@ written to the KV cache and its logits are cut before sampling,
 query is the prediction of step t+1's query at that layer, and the lookahead
 selectors (``spec_host``) score it to fix step t+1's critical set during step t.
 
-Where the speculated token comes from:
+Where the speculated token comes from (``dual_token``, :class:`DualTokenSpeculator`):
 
-* ``dual_token``: the argmax of the second position's logits of step t-1. That
+* the argmax of the second position's logits of step t-1. That
   position fed ``x̂_t``; when ``x̂_t`` turned out to be the real ``x_t`` (the
   speculation was *accepted*), its logits are the model's next-token
   distribution after ``x_t`` (up to the sparse attention the second position
@@ -19,16 +19,19 @@ Where the speculated token comes from:
   runner-up beside an unsure argmax as a third position was measured worse:
   it lost recall on 5 of 6 paired cells at the same ``top_k``,
   ``bench/results/archive/prediction_variants_cpu.json``.) When the riding token was not the real one, or on a
-  request's first sparse step, it falls back to ``ngram``; with no n-gram
+  request's first sparse step, it falls back to prompt lookup; with no n-gram
   match either, no token rides along. (Reusing the rejected position's argmax instead keeps the chain one
   token out of phase: every later guess continues a wrong token, and greedy
-  acceptance fell from 0.73 to 0.0 on one 4k text in ``bench/prefetch.py``.)
-* ``ngram``: prompt lookup (Saxena, "Prompt Lookup Decoding", 2023; the idea of
+  acceptance fell from 0.73 to 0.0 on one 4k text in ``bench.prefetch``, a benchmark since deleted with
+  the speculators it compared.)
+* prompt lookup (:func:`ngram_propose`; Saxena, "Prompt Lookup Decoding", 2023; the idea of
   SGLang's NGRAM speculative algorithm): the token that followed the most
   recent earlier occurrence of the longest suffix of the context, for suffix
   lengths :data:`NGRAM_MAX` down to 1. None when no suffix recurs.
-* ``none``: never a second position; lookahead selectors use the current
-  token's query (DESIGN.md's zero-knowledge baseline, equal to ``recency``).
+
+Prompt lookup on its own (``ngram``) and no speculation at all (``none``: the current query ranks
+the next step's set) were once speculators of their own; both were measured worse than
+``dual_token`` (``bench/results/archive/``) and deleted.
 
 Acceptance (``x̂_t == x_t``) is counted per step (``dd_spec_proposed_total`` /
 ``dd_spec_accepted_total``). An accepted speculation would be a free extra
@@ -101,36 +104,7 @@ def ngram_propose(history: Sequence[int], state: SpecState, max_n: int = NGRAM_M
     return None
 
 
-class Speculator:
-    """Base class: :meth:`propose` gives the tokens to ride as step t's extra query positions."""
-
-    name = "base"
-
-    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
-        """0 or 1 token guessed for the position after ``history[-1]``."""
-        raise NotImplementedError
-
-
-class NoSpeculator(Speculator):
-    """No extra position: lookahead selectors use the current query."""
-
-    name = "none"
-
-    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
-        return ()
-
-
-class NgramSpeculator(Speculator):
-    """Prompt lookup (:func:`ngram_propose`)."""
-
-    name = "ngram"
-
-    def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
-        tok = ngram_propose(history, state)
-        return () if tok is None else (tok,)
-
-
-class DualTokenSpeculator(Speculator):
+class DualTokenSpeculator:
     """After an accepted speculation, the model's own guess from the riding position; else ``ngram``.
 
     The riding token that equalled the real one saw the right context, so its logits are the
@@ -140,29 +114,12 @@ class DualTokenSpeculator(Speculator):
     name = "dual_token"
 
     def propose(self, history: Sequence[int], state: SpecState) -> tuple[int, ...]:
+        """0 or 1 token guessed for the position after ``history[-1]``."""
         b = state.branch
         if b is not None and b < len(state.top) and state.top[b] is not None:
             return (state.top[b][0],)
         tok = ngram_propose(history, state)
         return () if tok is None else (tok,)
-
-
-#: Speculators by preset name.
-SPECULATORS: dict[str, type[Speculator]] = {
-    s.name: s for s in (DualTokenSpeculator, NgramSpeculator, NoSpeculator)
-}
-
-
-def make_speculator(name: str) -> Speculator:
-    """Instantiate a speculator by name.
-
-    Raises:
-        ValueError: unknown name (the message lists the known ones).
-    """
-    cls = SPECULATORS.get(name)
-    if cls is None:
-        raise ValueError(f"speculator must be one of {sorted(SPECULATORS)}, got {name!r}")
-    return cls()
 
 
 def verify(state: SpecState, token: int) -> bool | None:

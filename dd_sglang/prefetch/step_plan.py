@@ -122,8 +122,8 @@ class RidingTokens:
 class CheckedRows:
     """The ahead rows whose prefetched sets this step checks against the real query's set.
 
-    ``verify_rows``: ``[n]`` int64 rows verified (and repaired) at every layer
-    (``experimental.miss_policy: verify``); ``sampled``: ``[n]`` int64 rows whose prefetch hit
+    ``verify_rows``: ``[n]`` int64 rows verified (and repaired) at every layer: every ahead row
+    (:mod:`dd_sglang.prefetch.verify`); ``sampled``: ``[n]`` int64 rows whose prefetch hit
     rate this step measures.
     """
 
@@ -147,13 +147,12 @@ class ExactRows:
 class RowRequests:
     """Per plan row, what its request contributes besides its tensors.
 
-    ``rids``: request ids; ``rejected``: its speculated token was rejected this step; ``labels``:
+    ``rids``: request ids; ``labels``:
     ``(selector, speculator)`` names for the metrics; ``seeds``: its sampling seed
     (coupled sampling, :mod:`dd_sglang.attention.coupling`).
     """
 
     rids: tuple[str, ...]
-    rejected: tuple[bool, ...]
     labels: tuple[tuple[str, str], ...]
     seeds: tuple[int, ...] = ()
 

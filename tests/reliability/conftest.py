@@ -94,8 +94,6 @@ def _launch(tmp_path_factory, tokenizer) -> ServerProcess:
     )
     preset["sparse"].update(request_selectors=list(REQUEST_SELECTORS), request_max_top_k=REQUEST_MAX_TOP_K)
     preset["prefetch"]["hit_rate_sample"] = 1.0
-    # experimental.request_overrides stays false: the hostile-request cases expect dd_speculator and
-    # dd_miss_policy refused (no test here sends them otherwise).
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     args = ["--attention-backend", "dualdecoder", "--enable-cache-report", "--chunked-prefill-size", "128",
             "--dtype", dtype, "--dd-config", str(tmp / "preset.yaml")]  # fmt: skip
