@@ -19,7 +19,7 @@ request with the configuration's ``custom_params``:
 * ``spec_host``: the same selector named explicitly;
 * ``host_sync`` and ``oracle``: exact selection at attention time (the int8 host index with exact
   re-ranking; every key scored);
-* ``top_k_512``, ``top_k_1024``: the default with a larger critical set (``dd_top_k``).
+* ``top_k_512`` ... ``top_k_8192``: the default with a larger critical set (``dd_top_k``).
 
 The configurations of one sample are sent back to back (:class:`FanOutCompletions`, an lm-eval
 ``LM``; samples run ``--concurrency`` at a time), so the prompt is prefilled once and the other
@@ -54,6 +54,8 @@ CONFIGS = {
     "oracle": {"dd_selector": "oracle"},
     "top_k_512": {"dd_top_k": 512},
     "top_k_1024": {"dd_top_k": 1024},
+    "top_k_4096": {"dd_top_k": 4096},
+    "top_k_8192": {"dd_top_k": 8192},
 }
 #: Tasks whose data lm-eval generates offline (DESIGN.md: the essay and QA tasks download text).
 TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt",
