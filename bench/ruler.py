@@ -149,10 +149,10 @@ def _no_loglikelihood(lm, requests, disable_tqdm=False):
 
 
 def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samples: int, config: str,
-             max_gen_toks: int, first: int = 0, ids: list[int] | None = None) -> list[dict]:  # fmt: skip
+             max_gen_toks: int, ids: list[int] | None = None) -> list[dict]:  # fmt: skip
     """One lm-eval evaluation of ``task`` at ``length`` tokens, answered with configuration ``config``:
-    samples ``first`` .. ``first + samples - 1`` of the generated set, or the samples ``ids`` (lm-eval's
-    ``samples`` indices for either, its ``limit`` for the first ``samples``).
+    the first ``samples`` of the generated set (lm-eval's ``limit``), or the samples ``ids`` (its
+    ``samples`` indices: ``--doc-ids``, or ``--extend``'s next samples).
 
     Returns one record per sample: ``{"doc_id", "score", "answer", "target"}`` (score in [0, 1],
     lm-eval's own ``process_results`` value for that length; ``doc_id`` the sample's index in the
@@ -165,8 +165,6 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     from lm_eval.tasks import TaskManager
 
     lm.current = config
-    if ids is None and first:
-        ids = list(range(first, first + samples))
     pick = {"samples": {task: ids}} if ids else {"limit": samples}
     out = lm_eval.simple_evaluate(
         model=lm.lm,
@@ -379,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
             per = {}
             old = prior["per_sample"][str(length)] if prior else {}
             first = len(next(iter(old.values()))) if old else 0
+            picked = list(range(first, args.samples)) if first else ids
             for name in configs:
                 t1 = time.monotonic()
                 per[name] = list(old.get(name, [])) + run_task(lm, tokenizer, args.task, length, args.samples - first,
-                                                               name, args.max_gen_toks, first, ids)  # fmt: skip
+                                                               name, args.max_gen_toks, picked)  # fmt: skip
                 print(f"{args.task} {length} {name}: {sum(r['score'] >= 1 for r in per[name])}/{len(per[name])} "
                       f"({time.monotonic() - t1:.0f} s)", flush=True)  # fmt: skip
             for name in configs:

@@ -222,8 +222,11 @@ class Counters:
         ``per_layer_recall`` = mean per-(step) recall of each layer (the per-layer histogram's
         sum / count), ``sparse_rows`` = (step, layer) rows decoded sparsely, ``repaired``/``misses``.
         """
-        sel, spec = custom.get("dd_selector", "spec_host"), "dual_token"
-        spec_lab = spec if sel in ("spec_host", "spec_host_exact") else "none"
+        from dd_sglang.prefetch.selectors import SELECTORS
+        from dd_sglang.prefetch.speculators import DualTokenSpeculator
+
+        sel, spec = custom.get("dd_selector", "spec_host"), DualTokenSpeculator.name
+        spec_lab = spec if SELECTORS[sel].uses_speculator else "none"  # the plan's label (prefetch/plan.py)
         lab = f'{{selector="{sel}",speculator="{spec_lab}"}}'
         lookups = self.delta(f"dd_prefetch_lookups_total{lab}")
         top = self.delta(f"dd_prefetch_mass_top_k_total{lab}")

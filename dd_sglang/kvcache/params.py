@@ -187,17 +187,13 @@ def _scalar_overrides(custom_params: dict, max_top_k: int) -> dict:
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"custom_params.{OVERRIDE_TOP_K} must be an integer in [{lo}, {hi}], got {v!r}")
         out["top_k"] = v
-    if OVERRIDE_SPARSE in custom_params:
-        v = custom_params[OVERRIDE_SPARSE]
-        if not isinstance(v, bool):
-            raise ValueError(f"custom_params.{OVERRIDE_SPARSE} must be true or false, got {v!r}")
-        out["sparse"] = v
-    if OVERRIDE_TRACE in custom_params:
-        v = custom_params[OVERRIDE_TRACE]
-        if not isinstance(v, bool):
-            raise ValueError(f"custom_params.{OVERRIDE_TRACE} must be true or false, got {v!r}")
-        if v and not os.environ.get(TRACE_DIR_ENV):
-            raise ValueError(f"custom_params.{OVERRIDE_TRACE}: this server writes no attention traces "
-                             f"(start it with {TRACE_DIR_ENV} naming a directory)")  # fmt: skip
-        out["trace"] = v
+    for key, field in ((OVERRIDE_SPARSE, "sparse"), (OVERRIDE_TRACE, "trace")):
+        if key in custom_params:
+            v = custom_params[key]
+            if not isinstance(v, bool):
+                raise ValueError(f"custom_params.{key} must be true or false, got {v!r}")
+            out[field] = v
+    if out.get("trace") and not os.environ.get(TRACE_DIR_ENV):
+        raise ValueError(f"custom_params.{OVERRIDE_TRACE}: this server writes no attention traces "
+                         f"(start it with {TRACE_DIR_ENV} naming a directory)")  # fmt: skip
     return out

@@ -63,20 +63,15 @@ class AttentionTrace:
         self.rows = []
         if self.dir is None or plan is None:
             return
-        requests = rt.requests
-        if not any(
-            st.choice.trace for rid in plan.requests.rids if (st := requests.get(rid)) is not None
-        ):
-            return
-        seq_lens = fb.seq_lens.to("cpu")
-        exact = set(plan.exact.batch_rows)
+        exact, seq_lens = set(plan.exact.batch_rows), None
         for j, rid in enumerate(plan.requests.rids):
-            st = requests.get(rid)
-            if st is None or not st.choice.trace or int(plan.rows[j]) in exact:
+            st, b = rt.requests.get(rid), int(plan.rows[j])
+            if st is None or not st.choice.trace or b in exact:
                 continue
+            if seq_lens is None:  # one host copy, only on a step with a traced row
+                seq_lens = fb.seq_lens.to("cpu")
             host_len = int(st.host_len)
             frm = self._keys_upto.get(rid, 0)
-            b = int(plan.rows[j])
             self.rows.append((j, {"rid": rid, "step": self._steps.get(rid, 0), "top_k": int(st.choice.top_k),
                                   "seq_len": int(seq_lens[b]),
                                   "host_len": host_len, "win_start": int(st.win_start),
