@@ -506,6 +506,16 @@ def test_launcher_refuses_a_bad_heap_trim_interval(tmp_path, value):
     assert f"DD_SGLANG_CPU_HEAP_TRIM_S must be seconds in [0, 3600] (0: off), got {value!r}" in r.stderr + r.stdout
 
 
+def test_launcher_refuses_a_trace_directory_it_cannot_write(tmp_path):
+    """DD_SGLANG_TRACE_DIR must be a directory the server can create and write; a path under a regular
+    file stops the launcher before SGLang starts, naming the variable and the path."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    bad = str(blocker / "traces")
+    r = _refused_before_torch("--model-path", str(tmp_path), env={"DD_SGLANG_TRACE_DIR": bad})
+    assert f"DD_SGLANG_TRACE_DIR must name a directory this server can write, got {bad!r}" in r.stderr + r.stdout
+
+
 def _hf_config(folder, **extra) -> str:
     """A model folder holding only a ``config.json`` (SmolLM2's RoPE fields, transformers 5 layout)."""
     import json

@@ -225,6 +225,27 @@ def _metrics_socket(cfg: DDConfig) -> socket.socket:
         raise Refused(f"metrics.port: {m.host}:{m.port} is not available ({err.strerror})") from None
 
 
+def _check_trace_dir() -> None:
+    """``DD_SGLANG_TRACE_DIR`` (:mod:`dd_sglang.prefetch.trace`), where set, must be a directory this
+    process can create and write: the scheduler writes traces there mid-step.
+
+    Raises:
+        Refused: it cannot be created or written (the variable, the path and the reason named).
+    """
+    from dd_sglang.kvcache.params import TRACE_DIR_ENV
+
+    raw = os.environ.get(TRACE_DIR_ENV)
+    if not raw:
+        return
+    try:
+        os.makedirs(raw, exist_ok=True)
+        if not os.access(raw, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as err:
+        raise Refused(f"{TRACE_DIR_ENV} must name a directory this server can write, got {raw!r} "
+                      f"({err.strerror or err})") from None  # fmt: skip
+
+
 def prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | None, str, int, socket.socket]:
     """Steps 3-5: ``(SGLang's full argv, CPU bind value or None, host, port, metrics socket)``.
 
@@ -251,6 +272,7 @@ def prepare(cfg: DDConfig, sglang_argv: list[str]) -> tuple[list[str], str | Non
         trim_interval_s()
     except ValueError as err:
         raise Refused(str(err)) from None
+    _check_trace_dir()
     # The dualdecoder refusals read flags the CPU platform never adds (--device, --dtype): they are
     # judged on the command line SGLang would get without them, still before PyTorch is imported.
     _check_dualdecoder(build_sglang_argv(cfg, sglang_argv, model_path, cpu=False, served_name=served_name,
