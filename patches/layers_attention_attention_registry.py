@@ -15,11 +15,16 @@ SYMBOLS = (
     "sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
     "sglang.srt.arg_groups.choices.add_attention_backend_choices",
     "sglang.srt.arg_groups.choices.ATTENTION_BACKEND_CHOICES",
+    "sglang.srt.configs.model_config.ModelConfig.get_max_num_attention_heads",
+    "sglang.srt.runtime_context.get_parallel",
+    "sglang.srt.mem_cache.kv_index_translator.KVIndexTranslator.own_plan",
+    "sglang.srt.mem_cache.kv_loc_plan.KVLocPlan.bind",
 )
 
 
 def create_dualdecoder_backend(runner):
-    """Factory SGLang calls with its ``ModelRunner``: dense delegate + sparse params from the preset.
+    """Factory SGLang calls with its ``ModelRunner``: dense delegate + sparse params from the preset, the
+    model's query heads on this rank and the runner's KV index translator (the dense sub-batch's plan).
 
     Raises:
         ValueError: ``--enable-mixed-chunk`` is set (a mixed batch would run dense
@@ -27,6 +32,7 @@ def create_dualdecoder_backend(runner):
     """
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.platforms import current_platform
+    from sglang.srt.runtime_context import get_parallel
 
     from dd_sglang.attention.backend import DualDecoderAttnBackend, PrefetchParams, SparseParams
     from dd_sglang.metrics.backend_events import MetricsEvents
@@ -46,6 +52,8 @@ def create_dualdecoder_backend(runner):
         None,  # the SparseRuntime: handed over by the radix-cache factory (patches/mem_cache_registry.py)
         PrefetchParams.from_config(cfg),
         MetricsEvents(),
+        q_heads=runner.model_config.get_max_num_attention_heads() // get_parallel().attn_tp_size,
+        kv_index_translator=getattr(runner, "kv_index_translator", None),
     )
 
 

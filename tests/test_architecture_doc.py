@@ -37,3 +37,34 @@ def test_every_function_the_stage_table_names_exists():
                 missing.append(f"{path}: {name}")
                 break
     assert missing == []
+
+
+def _profile_columns() -> dict[str, set[str]]:
+    """Per profile named in the stage table's header, the class names its column's entries use."""
+    text = DOC.read_text()
+    table = text.split("<!-- stages: begin -->", 1)[1].split("<!-- stages: end -->", 1)[0]
+    rows = [r.split("|")[1:-1] for r in table.strip().splitlines() if r.startswith("|")]
+    names = [re.match(r"\s*`(\w+)` profile", cell).group(1) for cell in rows[0][1:]]
+    return {name: {n.split(".")[0] for row in rows[2:] for _, n in ENTRY.findall(row[1 + i])}
+            for i, name in enumerate(names)}  # fmt: skip
+
+
+def test_a_runner_built_with_each_profile_uses_the_stages_its_column_names():
+    """The header names each profile of ``dd_sglang/prefetch/profile.py`` with its stages, and a runner
+    built with that profile (on CPU tensors, the fakes of the backend tests) holds the source and
+    attender classes its column names."""
+    from dd_sglang.prefetch.params import PrefetchParams
+    from dd_sglang.prefetch.profile import PROFILES
+    from dd_sglang.prefetch.runner import SparseStepRunner
+    from tests.test_backend_unit import Harness
+
+    columns = _profile_columns()
+    assert set(columns) == set(PROFILES)
+    header = DOC.read_text().split("<!-- stages: begin -->", 1)[1].splitlines()[1]
+    h = Harness()
+    for name, profile in PROFILES.items():
+        assert f"source `{profile.source}`, attender `{profile.attender}`" in header
+        runner = SparseStepRunner(h.rt.host, "cpu", h.rt.host.k.dtype, h.r2t, PrefetchParams(kernel="torch"),
+                                  profile=profile)  # fmt: skip
+        used = {type(runner.source).__name__, type(runner.attender).__name__}
+        assert used <= columns[name], (name, used, columns[name])

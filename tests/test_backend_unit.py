@@ -20,6 +20,7 @@ from dd_sglang.attention.backend import BackendEvents, DualDecoderAttnBackend, f
 from dd_sglang.kernels import native as native_kernel
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.selectors import gqa_token_scores
+from dd_sglang.prefetch.sources import InPlaceReads, RingCopies
 from dd_sglang.prefetch.speculators import SpecState
 from tests.test_sparse_runtime import HKV, LAYERS, PER_TOKEN, D, params, setup
 
@@ -114,7 +115,7 @@ def _attend_sets(q, k_all, v_all, sets):
 class Harness:
     """One request offloaded to the host tier, decoded step by step through the backend."""
 
-    def __init__(self, prefetch: PrefetchParams | None = None, **overrides):
+    def __init__(self, prefetch: PrefetchParams | None = None, q_heads: int | None = HQ, **overrides):
         p = params(page_size=16, n_keep=0, host_tier_bytes=2000 * PER_TOKEN, **overrides)
         self.rt, self.pool, self.alloc, self.r2t, self.req, self.tree, ok, ov = setup(p, PROMPT, 0)
         row = self.r2t[2, :PROMPT].long().clone()
@@ -125,21 +126,26 @@ class Harness:
         self.events = Events()
         self.backend = DualDecoderAttnBackend(
             DenseFake(), KVPool(self.pool), self.r2t, p, self.rt,
-            prefetch or PrefetchParams(hit_rate_sample=0.0), self.events,
+            prefetch or PrefetchParams(hit_rate_sample=0.0), self.events, q_heads=q_heads,
         )  # fmt: skip
         self.gen = torch.Generator().manual_seed(11)
 
-    def step(self, tok: int | None = None):
-        """Decode one token: returns (fb, q per layer [tokens, HQ, D], outputs per layer)."""
+    def step(self, tok: int | None = None, dense_row: tuple[int, int] | None = None):
+        """Decode one token: returns (fb, q per layer [tokens, HQ, D], outputs per layer). ``dense_row``:
+        ``(req_pool_idx, seq_len)`` of a second, dense request (not in the runtime) decoding beside it,
+        batch row 1, its new K/V written to a slot of its own."""
         pos = self.req.kv.kv_committed_len
         slot = self.alloc.alloc(1)
         self.r2t[2, pos] = slot.int()
         if tok is None:
             tok = 5 + pos % 4  # the prompt repeats 5 6 7 8: prompt lookup proposes the next
+        rows = [(2, pos + 1, tok)] + ([(dense_row[0], dense_row[1], 3)] if dense_row else [])
         fb = SimpleNamespace(
-            forward_mode=_decode_mode(), batch_size=1, input_ids=torch.tensor([tok]),
-            positions=torch.tensor([pos]), seq_lens=torch.tensor([pos + 1]), req_pool_indices=torch.tensor([2]),
-            out_cache_loc=slot, seq_lens_cpu=torch.tensor([pos + 1]), encoder_lens=None,
+            forward_mode=_decode_mode(), batch_size=len(rows), input_ids=torch.tensor([t for _, _, t in rows]),
+            positions=torch.tensor([n - 1 for _, n, _ in rows]), seq_lens=torch.tensor([n for _, n, _ in rows]),
+            req_pool_indices=torch.tensor([r for r, _, _ in rows]),
+            out_cache_loc=torch.cat([slot] + ([self.alloc.alloc(1)] if dense_row else [])),
+            seq_lens_cpu=torch.tensor([n for _, n, _ in rows]), encoder_lens=None,
         )  # fmt: skip
         self.backend.init_forward_metadata(fb)
         n_tok = fb.input_ids.numel()
@@ -155,7 +161,7 @@ class Harness:
             outs.append(out.view(n_tok, HQ, D))
         logits = SimpleNamespace(next_token_logits=torch.randn(n_tok, 50, generator=self.gen), hidden_states=None)
         finish_step(logits, fb)
-        assert logits.next_token_logits.shape[0] == 1  # speculated rows cut before sampling
+        assert logits.next_token_logits.shape[0] == fb.batch_size  # speculated rows cut before sampling
         self.req.kv.kv_committed_len += 1
         self.req.output_ids.append(tok)
         self.rt.after_decode(SimpleNamespace(reqs=[self.req]), self.tree)
@@ -214,7 +220,7 @@ def test_the_speculated_position_reads_the_rows_set_and_its_own_kv(kernel):
     cand = h.st.host_candidates()
     fb, qs, outs = h.step()
     assert fb.input_ids.numel() == 2
-    assert h.backend.runner.fast == (kernel == "native")
+    assert h.backend.runner.profile.attender == ("fused_c" if kernel == "native" else "torch")
     n = h.req.kv.kv_committed_len
     for i in range(LAYERS):
         q, k, v = qs[i]
@@ -271,7 +277,7 @@ def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel, t
         overlap = []
         for i in range(LAYERS):
             q = qs[i][0][0]
-            pos, _ = ref.select(q[None].float(), g.blocks, runner.host.k[i], 24, SCALE, runner.index("host"), i)
+            pos, _ = ref.select(q[None].float(), g.blocks, runner.host.k[i], 24, SCALE, runner.key_index("host"), i)
             chosen = [set(pos[0, kv].tolist()) for kv in range(HKV)]
             sets = [c | resident for c in chosen]
             torch.testing.assert_close(outs[i][0].double(), _attend_sets(q, h.k_all[i], h.v_all[i], sets),
@@ -279,7 +285,7 @@ def test_host_sync_reads_the_host_index_selection_of_the_current_query(kernel, t
             top = _topk_sets(q, h.k_all[i], cand, 24)
             overlap += [len(c & t) / 24 for c, t in zip(chosen, top, strict=True)]
         assert sum(overlap) / len(overlap) >= 0.9, overlap
-    assert (h.backend.runner.in_place.table is not None) == (transfer == "in_place")
+    assert isinstance(h.backend.runner.step_source, InPlaceReads) == (transfer == "in_place")
 
 
 @pytest.mark.parametrize("kernel,transfer", [("torch", "auto"), ("native", "inline"), ("native", "in_place")])
@@ -306,8 +312,8 @@ def test_spec_host_exact_reads_the_set_its_speculated_query_chose_one_step_earli
     assert h.events.cold_n == LAYERS  # not cold any more
     missed = _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
     assert h.events.hits_lookups == [LAYERS * HKV * 24 - missed, LAYERS * HKV * 24]
-    assert h.backend.runner.in_place.enabled == (transfer == "in_place")
-    assert (h.backend.runner.in_place.table is not None) == (transfer == "in_place")
+    assert (h.backend.runner.profile.source == "in_place") == (transfer == "in_place")
+    assert isinstance(h.backend.runner.step_source, InPlaceReads) == (transfer == "in_place")
     # Bytes brought from the host tier (copied into the ring, or read in place): 24 tokens x 3 KV
     # heads x D x 4 B, K and V, per layer.
     assert h.events.copied_bytes >= LAYERS * 2 * 24 * HKV * D * 4
@@ -322,25 +328,24 @@ def test_auto_transfer_reads_in_place_from_six_row_kv_head_pairs(transfer, rows,
     h.step()  # builds the runner
     runner = h.backend.runner
     assert HKV * 2 >= native_kernel.ATTEND_PARALLEL_TASKS > HKV
-    assert runner.in_place.reads(SimpleNamespace(num_rows=rows)) is reads
+    assert (runner.profile.source == "in_place" and runner.source.reads(SimpleNamespace(num_rows=rows))) is reads
 
 
-def test_in_place_sets_go_into_the_ring_for_a_layer_the_fused_kernel_does_not_take(monkeypatch):
-    """``transfer: in_place`` with a layer the fused attention does not take: that layer's verified
-    sets are copied into the ring slot after all and attended from there."""
-    from dd_sglang.prefetch import runner as runner_module
-
-    h = Harness(_kernel_params("native", transfer="in_place", rerank=100), top_k=24, selector="spec_host_exact")
+def test_a_model_the_fused_attention_does_not_take_runs_the_gathered_attention_on_ring_copies():
+    """Query heads unknown (so the GQA group is): the CPU profile falls back to the PyTorch attention over
+    sets copied into the ring, chosen once for the runner, and each layer still attends the verified set."""
+    h = Harness(_kernel_params("native", transfer="in_place", rerank=100), q_heads=None, top_k=24,
+                selector="spec_host_exact")  # fmt: skip
     h.req.origin_input_ids = [5, 6, 7, 8] * (PROMPT // 4)
     cand_prev = h.st.host_candidates()
     _, qs_prev, _ = h.step()
-    monkeypatch.setattr(runner_module, "fused_takes", lambda *a: False)
+    profile = h.backend.runner.profile
+    assert (profile.name, profile.source, profile.attender) == ("cpu+attender=torch", "copy_inline", "torch")
     resident = h.st.device_positions(h.req.kv.kv_committed_len + 1).tolist()
     cand = h.st.host_candidates()
     copied = h.events.copied_bytes
     _, qs, outs = h.step(tok=99)  # rejected
-    table = h.backend.runner.in_place.table
-    assert table is not None and (table == -1).all()  # all went to the ring
+    assert isinstance(h.backend.runner.step_source, RingCopies)
     assert h.events.copied_bytes - copied >= LAYERS * 2 * 24 * HKV * D * 4
     _assert_verified(h, qs_prev, cand_prev, qs, outs, cand, resident)
 

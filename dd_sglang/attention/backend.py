@@ -14,20 +14,21 @@
     critical-set source, the gather indices) and starts the layer copies; the
     plan rides on the batch inside ``forward_batch.dd_step`` (:class:`~dd_sglang.attention.step.DecodeStep`).
   - ``forward_decode`` (per layer): write the new K/V, run the dense rows, get
-    the layer's inputs from the runner (wait for its copy), one batched sparse
-    attention call (:class:`dd_sglang.kernels.dispatch.SparseAttention`: FlashInfer
-    on CUDA, the PyTorch reference elsewhere; planned once per step after the plan),
-    hand the layer back (next-step selection is queued there).
+    the layer's inputs from the runner (its device profile's chooser, source and
+    attender, :mod:`dd_sglang.prefetch.profile`), one sparse attention call for
+    every sparse row (the fused C kernel on a CPU; FlashInfer on CUDA), hand the
+    layer back (next-step selection is queued there).
 
 With ``top_k`` at least the context, a sparse row attends to its whole context
 (gathered from the host tier like any critical set) through dense's own attention
 call, and its greedy tokens equal the dense path's.
 
 Mixed batches: every real row's new K/V is written to the device pool once;
-with the ``torch_native`` delegate the dense rows run as a sub-batch, with any
-other delegate the dense backend runs on the real rows of the whole batch and
-the sparse rows' outputs are replaced (their released positions read SGLang's
-padding slot, never another request's KV).
+the dense backend is planned and run on the dense rows alone, as a sub-batch
+(:func:`~dd_sglang.attention.step.dense_sub_batch`; under SGLang's KV index
+translator the sub-batch gets its own ``KVLocPlan``, built by
+``KVIndexTranslator.own_plan`` from its fields), so it never attends a sparse
+row's context; a step whose rows are all sparse does not plan it at all.
 
 Not supported with sparse rows: CUDA graphs and overlap scheduling (the
 launcher turns both off with this backend), mixed chunked prefill (rejected at
@@ -36,7 +37,6 @@ start). This backend has not been run on a GPU.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -44,8 +44,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from dd_sglang.attention.extend import extend_after_prefix, host_prefixes, skips_prefix_queries
-from dd_sglang.attention.step import BackendEvents, DecodeStep, finish_step
-from dd_sglang.kernels.dispatch import SparseAttention
+from dd_sglang.attention.step import BackendEvents, DecodeStep, dense_sub_batch, finish_step
 from dd_sglang.kernels.sparse_decode import dense_decode_attention
 from dd_sglang.kvcache.dualpath import PathState
 from dd_sglang.kvcache.params import SparseParams
@@ -88,6 +87,10 @@ class DualDecoderAttnBackend(AttentionBackend):
             radix cache). Without one every step is dense.
         prefetch: :class:`PrefetchParams`.
         events: :class:`BackendEvents` receiver (metrics).
+        q_heads: query heads per layer on this rank (``ModelConfig.get_num_attention_heads(tp_size)``);
+            None: unknown (the fused C attention is then not used).
+        kv_index_translator: SGLang's ``ModelRunner.kv_index_translator`` (the dense sub-batch's own
+            ``KVLocPlan``), or None.
 
     Attributes not defined here (CUDA-graph hooks and the like) are served by the dense backend.
     """
@@ -101,6 +104,8 @@ class DualDecoderAttnBackend(AttentionBackend):
         runtime: SparseRuntime | None = None,
         prefetch: PrefetchParams | None = None,
         events: BackendEvents | None = None,
+        q_heads: int | None = None,
+        kv_index_translator=None,
     ):
         super().__init__()
         self.dense = dense
@@ -111,14 +116,14 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.prefetch = prefetch or PrefetchParams()
         self.events = events or BackendEvents()
         self.runner: SparseStepRunner | None = None
-        k0 = token_to_kv_pool.get_key_buffer(getattr(token_to_kv_pool, "start_layer", 0))
-        self.attention = SparseAttention(k0.device)
+        self.q_heads = q_heads
+        self.kv_index_translator = kv_index_translator
         try:
             from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-            self._sub_batch_ok = isinstance(dense, TorchNativeAttnBackend)
+            self._torch_native = isinstance(dense, TorchNativeAttnBackend)
         except ImportError:  # pragma: no cover - the module ships with SGLang
-            self._sub_batch_ok = False
+            self._torch_native = False
 
     def __getattr__(self, name):
         return getattr(self.__dict__["dense"], name)
@@ -132,49 +137,53 @@ class DualDecoderAttnBackend(AttentionBackend):
     def _runner_for(self, rt: SparseRuntime) -> SparseStepRunner:
         """The runner over ``rt``'s host tier, built once (wired to the runtime's release callback)."""
         if self.runner is None or self.runner.host is not rt.host:
-            k0 = self.token_to_kv_pool.get_key_buffer(getattr(self.token_to_kv_pool, "start_layer", 0))
+            layer0 = getattr(self.token_to_kv_pool, "start_layer", 0)
+            k0, v0 = self.token_to_kv_pool.get_key_buffer(layer0), self.token_to_kv_pool.get_value_buffer(layer0)
             self.runner = SparseStepRunner(rt.host, k0.device, k0.dtype, self.req_to_token, self.prefetch,
-                                           self.events)  # fmt: skip
+                                           self.events, q_heads=self.q_heads,
+                                           pool_contiguous=k0.is_contiguous() and v0.is_contiguous())  # fmt: skip
             rt.add_release_listener(self.runner.release)
         return self.runner
 
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, forward_batch) -> None:
-        """Plan the step (module docstring); dense-only steps get no plan."""
+        """Plan the step (module docstring): the sparse rows' plan, then the dense backend over the
+        dense rows only (the whole batch on a step without sparse rows, nothing when every row is sparse)."""
         if self.runner is not None:  # prefill or dense decode: the forward's own thread count
             self.runner.split_threads(False)
-        self.dense.init_forward_metadata(forward_batch)
         forward_batch.dd_step = None
         if not forward_batch.forward_mode.is_decode():
+            self.dense.init_forward_metadata(forward_batch)
             self._release_ring_when_no_sparse_request()
             return
         started = time.perf_counter()
+        plan = self._plan_sparse_rows(forward_batch)
+        step = DecodeStep(plan, None, None, self.events, started)
+        if plan is None:
+            self.dense.init_forward_metadata(forward_batch)
+        elif plan.num_rows < forward_batch.batch_size:
+            step.dense_rows, step.dense_batch = dense_sub_batch(forward_batch, plan.rows.tolist(),
+                                                                self.kv_index_translator)  # fmt: skip
+            self.dense.init_forward_metadata(step.dense_batch)
+        forward_batch.dd_step = step
+
+    def _plan_sparse_rows(self, forward_batch):
+        """The runner's plan of the step's sparse rows (None: none), and the bytes it holds published."""
         rt = self.runtime
-        plan = None
-        if rt is not None and rt.by_pool:
-            runner = self._runner_for(rt)
-            plan = runner.plan(forward_batch, rt)
-            if plan is not None:
-                ring = runner.ring  # the K/V layout attention will read: [slots, rows, Hkv, columns, D]
-                _, _, hkv, columns, head_dim = ring.shape
-                self.attention.plan(plan.layout.mask, hkv, None, columns, ring.dtype, ring.device, head_dim)
-            rt.buffers.ring_buffer_bytes = runner.ring.nbytes
-            rt.buffers.critical_buffer_bytes = runner.critical_bytes(plan)
-            rt.buffers.selector_aux = runner.aux_bytes()
-            rt.buffers.host_index_bytes = runner.host_index_bytes()
-        elif self.runner is not None:
-            self.runner.end_step()
-            self.runner.ring.release()
-            if rt is not None:
-                rt.buffers.clear_ring()
-        dense_rows = dense_batch = None
-        if plan is not None and plan.num_rows < forward_batch.batch_size:
-            sparse = set(plan.rows.tolist())
-            rows = [i for i in range(forward_batch.batch_size) if i not in sparse]
-            dense_rows = torch.tensor(rows, dtype=torch.int64, device=forward_batch.seq_lens.device)
-            if self._sub_batch_ok:
-                dense_batch = self._sub_batch(forward_batch, dense_rows)
-        forward_batch.dd_step = DecodeStep(plan, dense_rows, dense_batch, self.events, started)
+        if rt is None or not rt.by_pool:
+            if self.runner is not None:
+                self.runner.end_step()
+                self.runner.ring.release()
+                if rt is not None:
+                    rt.buffers.clear_ring()
+            return None
+        runner = self._runner_for(rt)
+        plan = runner.plan(forward_batch, rt)
+        rt.buffers.ring_buffer_bytes = runner.ring.nbytes
+        rt.buffers.critical_buffer_bytes = runner.critical_bytes(plan)
+        rt.buffers.selector_aux = runner.aux_bytes()
+        rt.buffers.host_index_bytes = runner.host_index_bytes()
+        return plan
 
     def _release_ring_when_no_sparse_request(self) -> None:
         """A prefill with no request decoding sparsely: give the layer ring back (it is sized to
@@ -187,20 +196,6 @@ class DualDecoderAttnBackend(AttentionBackend):
         self.runner.end_step()
         self.runner.ring.release()
         rt.buffers.clear_ring()
-
-    @staticmethod
-    def _sub_batch(fb, idx: torch.Tensor):
-        """A shallow copy of ``fb`` restricted to rows ``idx`` (the fields ``torch_native`` decode reads)."""
-        sub = copy.copy(fb)
-        sub.batch_size = int(idx.numel())
-        sub.req_pool_indices = fb.req_pool_indices[idx]
-        sub.seq_lens = fb.seq_lens[idx]
-        sub.out_cache_loc = fb.out_cache_loc[idx]
-        if getattr(fb, "seq_lens_cpu", None) is not None:
-            sub.seq_lens_cpu = fb.seq_lens_cpu[idx.cpu()]
-        if getattr(fb, "encoder_lens", None) is not None:
-            sub.encoder_lens = fb.encoder_lens[idx]
-        return sub
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         return self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -231,7 +226,7 @@ class DualDecoderAttnBackend(AttentionBackend):
         of it reads its prefix from the host tier (:func:`host_prefixes`, returned too), or the
         ``torch_native`` delegate would recompute cached query rows (:func:`skips_prefix_queries`)."""
         hosted = host_prefixes(self, fb)
-        return hosted is not None or (self._sub_batch_ok and skips_prefix_queries(layer, fb)), hosted
+        return hosted is not None or (self._torch_native and skips_prefix_queries(layer, fb)), hosted
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         step = getattr(forward_batch, "dd_step", None)
@@ -256,14 +251,14 @@ class DualDecoderAttnBackend(AttentionBackend):
         lid = layer.layer_id
         hl = lid - getattr(self.token_to_kv_pool, "start_layer", 0)
         runner = self.runner
-        qf, keys, values = runner.layer_inputs(
+        x = runner.layer_inputs(
             plan, hl, q3, k3, v3,
             self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
             layer.scaling,
         )  # fmt: skip
         t1 = time.perf_counter()
-        runner.attend(plan, self.attention, q3, qf, keys, values, out, layer.scaling)
-        for b, kb, vb in runner.exact_contexts(plan, keys, values):  # set = whole context: dense's own call
+        runner.attend(plan, q3, x, out, layer.scaling)
+        for b, kb, vb in runner.exact_contexts(plan, x):  # set = whole context: dense's own call
             out[b] = dense_decode_attention(q3[b], kb, vb, layer.scaling).to(out.dtype)
         step.attention_s += time.perf_counter() - t1
         step.sparse_layers += 1
@@ -271,18 +266,10 @@ class DualDecoderAttnBackend(AttentionBackend):
         return out.view(-1, hq * dv)
 
     def _dense_rows(self, step: DecodeStep, q3, k3, v3, out, layer, fb, **kwargs) -> None:
+        """The dense rows' attention, by the dense backend over their sub-batch (their K/V already written)."""
         t0 = time.perf_counter()
-        hq = q3.shape[1]
-        bs = step.plan.batch_size
-        if step.dense_batch is not None:
-            rows = step.dense_rows
-            o = self.dense.forward_decode(
-                q3[rows].reshape(rows.numel(), -1), None, None, layer, step.dense_batch, save_kv_cache=False
-            )
-            out[rows] = o.view(rows.numel(), hq, -1)
-        else:
-            o = self.dense.forward_decode(
-                q3[:bs].reshape(bs, -1), k3[:bs], v3[:bs], layer, fb, save_kv_cache=False, **kwargs
-            )
-            out[:bs] = o.view(bs, hq, -1)
+        rows = step.dense_rows
+        o = self.dense.forward_decode(q3[rows].reshape(rows.numel(), -1), None, None, layer, step.dense_batch,
+                                      save_kv_cache=False)  # fmt: skip
+        out[rows] = o.view(rows.numel(), q3.shape[1], -1)
         step.attention_s += time.perf_counter() - t0

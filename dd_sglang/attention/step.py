@@ -8,6 +8,7 @@ calls with the step's logits.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,46 @@ class DecodeStep:
     attention_s: float = 0.0
     #: Layers that ran the plan's sparse rows (their counts are reported once, at the step's end).
     sparse_layers: int = 0
+
+
+def dense_sub_batch(fb, sparse_rows: list[int], translator=None) -> tuple[torch.Tensor, object]:
+    """The dense rows of decode batch ``fb`` (those not in ``sparse_rows``) and a shallow copy of ``fb``
+    restricted to them, for the dense backend to plan and run on.
+
+    Restricted: ``batch_size``, ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu``, ``seq_lens_sum``,
+    ``out_cache_loc`` (and its virtual mirror), ``encoder_lens``: the fields SGLang's decode backends
+    plan from (``torch_native_backend.py``, ``flashinfer_backend.py: init_forward_metadata``). Where the
+    batch carries a ``kv_loc_plan`` and ``translator`` (SGLang's ``KVIndexTranslator``) is given, the
+    sub-batch gets its own plan, ``translator.own_plan(sub)`` bound to it (SGLang's
+    ``mem_cache/kv_loc_plan.py``: "the plan of a forward that is its own iteration, from its own
+    fields"), its write window being the rows' virtual ids.
+
+    Returns:
+        ``([n] int64 batch rows on fb's device, the sub-batch)``.
+    """
+    sparse = set(sparse_rows)
+    rows = [i for i in range(fb.batch_size) if i not in sparse]
+    host_idx = torch.tensor(rows, dtype=torch.int64)
+    idx = host_idx.to(fb.seq_lens.device)
+    sub = copy.copy(fb)
+    sub.batch_size = len(rows)
+    sub.req_pool_indices = fb.req_pool_indices[idx]
+    sub.seq_lens = fb.seq_lens[idx]
+    seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
+    if seq_lens_cpu is not None:
+        sub.seq_lens_cpu = seq_lens_cpu[host_idx]
+    sub.seq_lens_sum = int((sub.seq_lens_cpu if seq_lens_cpu is not None else sub.seq_lens).sum())
+    virtual = getattr(fb, "out_cache_loc_virtual", None)
+    sub.out_cache_loc = fb.out_cache_loc[idx]
+    if virtual is not None:
+        sub.out_cache_loc_virtual = virtual[idx]
+    if getattr(fb, "encoder_lens", None) is not None:
+        sub.encoder_lens = fb.encoder_lens[idx]
+    if getattr(fb, "kv_loc_plan", None) is not None and translator is not None:
+        if virtual is not None:
+            sub.out_cache_loc = sub.out_cache_loc_virtual
+        translator.own_plan(sub).bind(sub, translator)
+    return idx, sub
 
 
 def finish_step(output, forward_batch) -> None:

@@ -49,9 +49,10 @@ def chunk_layers(g, q: torch.Tensor) -> int:
 
 
 def selection_queries(q3: torch.Tensor, query: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The queries that drive a selection, ``[n, Hkv x Q x group, D]``, grouped by KV head.
+    """The queries that drive a selection, ``[n, Hkv x Q x group, D]``, grouped by KV head, on ``q3``'s device.
 
-    ``query``: ``[n, Q]`` token indices (``Q`` riding positions, or the real one). Every query of
+    ``query``: ``[n, Q]`` token indices (``Q`` riding positions, or the real one), best on ``q3``'s
+    device already (``SelectionGroup.query_dev``; one on another is moved). Every query of
     a KV head joins that head's GQA group, so a selector's max over the group ranks by all ``Q``
     queries at once, at the same budget ``k``.
     """
@@ -124,7 +125,7 @@ class AheadSelection:
             if inline and fast_rows is not None:
                 self._into_step_buffer(gi, g, layer, q3, scale, last, fast_rows.sel_rows[gi])
                 continue
-            q = selection_queries(q3, g.query, self.host.k.shape[2]).to("cpu", copy=True)
+            q = selection_queries(q3, g.query_dev, self.host.k.shape[2]).to("cpu", copy=True)
             if inline:
                 pending = self.pending[gi]
                 pending[layer] = q

@@ -1,20 +1,12 @@
-"""Flat row indices of a sparse step's per-layer copies, built once per step and read by every layer.
+"""Flat row indices of a sparse step's per-layer copies on the fused C path, built once per step and read by every layer.
 
-Every per-layer move of the sparse path is a list of rows of ``head_dim``
-elements: a query head, a KV head's key or value, an attention output head.
-:func:`build_layer_rows` turns a :class:`~dd_sglang.prefetch.plan.StepPlan`
-into those lists once per step, so that each layer makes one indexed copy per
-move instead of a chain of indexing, permuting and reshaping operations
-(each of which costs the forward thread a PyTorch dispatch per layer):
+Every per-layer move of the fused path (:mod:`dd_sglang.prefetch.layer_assembly`) is a list of rows of
+``head_dim`` elements: a query head, a KV head's key or value. :func:`build_layer_rows` turns a
+:class:`~dd_sglang.prefetch.plan.StepPlan` into those lists once per step, so that each layer makes one
+indexed copy per move instead of a chain of indexing, permuting and reshaping operations (each of
+which costs the forward thread a PyTorch dispatch per layer):
 
-* **Queries.** ``q_rows``: rows of the layer's queries viewed ``[tokens x Hq,
-  D]`` in the folded order the sparse attention reads, ``[R, Hkv, P x G, D]``
-  (what :func:`~dd_sglang.kernels.sparse_decode.fold_gqa` of ``q3[plan.layout.qidx]``
-  gives).
-* **Outputs.** ``out_src`` / ``out_dst``: rows of the attention output viewed
-  ``[R x Hkv x P x G, Dv]`` and the layer output rows ``[tokens x Hq, Dv]``
-  they go to (the real query of each row and each speculated position).
-* **Resident set.** ``res_src`` / ``res_dst``: device-pool rows (``[slots x
+* **Resident set** (a step with exact rows only: their dense call reads the ring). ``res_src`` / ``res_dst``: device-pool rows (``[slots x
   Hkv, D]``) and ring-slot rows of columns ``[0, n_res)``.
 * **Speculated K/V.** ``spec.dst``: the ring-slot row of each speculated
   token's own column per KV head; its source row depends on the stride of
@@ -81,9 +73,6 @@ class FusedAttendRows:
 class LayerRows:
     """One step's flat row indices (module docstring); ``[n]`` int64 CPU tensors."""
 
-    q_rows: torch.Tensor
-    out_src: torch.Tensor
-    out_dst: torch.Tensor
     res_src: torch.Tensor
     res_dst: torch.Tensor
     spec: SpecKVRows
@@ -105,15 +94,10 @@ def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) 
         raise ValueError(f"ring slot {tuple(slot_shape)} is smaller than the plan ({r} rows, {c} columns)")
     heads = torch.arange(hkv).view(1, hkv, 1, 1) * g + torch.arange(g).view(1, 1, 1, g)  # [1, Hkv, 1, G]
     qidx = plan.layout.qidx.to("cpu", torch.int64)
-    q_rows = (qidx.view(r, 1, p, 1) * hq + heads).flatten()  # [R, Hkv, P, G]
-    # Outputs: each row's real query (position 0), then each speculated token at its position.
+    # Each row's real query (position 0), then each speculated token at its position.
     tok = torch.cat([plan.rows.to("cpu", torch.int64), plan.spec.tokens.to("cpu", torch.int64)])
     row = torch.cat([torch.arange(r), plan.spec.rows.to("cpu", torch.int64)])
     pos = torch.cat([torch.zeros(r, dtype=torch.int64), plan.spec.query_pos.to("cpu", torch.int64)])
-    h = torch.arange(hkv).view(1, hkv, 1)
-    gg = torch.arange(g).view(1, 1, g)
-    out_src = (((row.view(-1, 1, 1) * hkv + h) * p + pos.view(-1, 1, 1)) * g + gg).flatten()
-    out_dst = (tok.view(-1, 1, 1) * hq + h * g + gg).flatten()
     columns = slot_shape[2]
     res = plan.layout.res_slots.to("cpu", torch.int64)  # [R, n_res], the same slots for every KV head
     res_src = flat_rows(res.unsqueeze(1).expand(-1, hkv, -1))
@@ -132,7 +116,7 @@ def build_layer_rows(plan: StepPlan, hkv: int, hq: int, slot_shape: torch.Size) 
     out_tok = torch.full((r, p), -1, dtype=torch.int64)
     out_tok[row, pos] = tok
     fused = FusedAttendRows(qidx.contiguous(), out_tok, plan.layout.mask.to("cpu").contiguous(), res.contiguous())
-    return LayerRows(q_rows, out_src, out_dst, res_src, res_dst, SpecKVRows(spec_dst, spec_token, spec_head),
+    return LayerRows(res_src, res_dst, SpecKVRows(spec_dst, spec_token, spec_head),
                      tuple(sel), fused)  # fmt: skip
 
 

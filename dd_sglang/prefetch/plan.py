@@ -58,7 +58,7 @@ from dd_sglang.prefetch.plan_rows import (
     update_indexes,
 )
 from dd_sglang.prefetch.predictions import NextSets, PredictionStore, RequestPrediction
-from dd_sglang.prefetch.scoring import RowBlocks, row_blocks
+from dd_sglang.prefetch.scoring import row_blocks
 from dd_sglang.prefetch.speculators import DualTokenSpeculator
 from dd_sglang.prefetch.step_plan import (
     CheckedRows,
@@ -144,6 +144,10 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
     ahead_rows = _renew_next_sets(rows, inp.store, rt.host.layer_num)
     dev = fb.input_ids.device
     layout = _column_layout(fb, rows, inp.req_to_token, k, qidx, dev)
+    riding = _riding_tokens(rows, spec, spec_tok, layout.n_res + layout.k, dev)
+    checks = _checked_rows(n_ahead, inp, qidx, dev)
+    requests = _row_requests(rows)
+    exact = _exact_rows(rows, n_ahead, n_fixed, layout.n_res, dev)
     return StepPlan(
         rows=torch.tensor([r.batch_row for r in rows], dtype=torch.int64),
         batch_size=fb.batch_size,
@@ -151,12 +155,12 @@ def build_step_plan(fb, rt, inp: PlanInputs, on_verify=lambda spec, ok: None) ->
         n_fixed=n_fixed,
         started=started,
         fixed=fixed,
-        selection=_selections(rows, n_fixed, ahead_rows, qidx),
+        selection=_selections(rows, n_fixed, ahead_rows, qidx, dev),  # last: it reads the candidates' blocks
         layout=layout,
-        spec=_riding_tokens(rows, spec, spec_tok, layout.n_res + layout.k, dev),
-        checks=_checked_rows(n_ahead, inp),
-        requests=_row_requests(rows),
-        exact=_exact_rows(rows, n_ahead, n_fixed, layout.n_res, dev),
+        spec=riding,
+        checks=checks,
+        requests=requests,
+        exact=exact,
     )
 
 
@@ -169,17 +173,16 @@ def _renew_next_sets(rows: list[PlanRow], store: PredictionStore, n_layers: int)
     return ahead_rows
 
 
-def _selections(rows: list[PlanRow], n_fixed: int, ahead_rows: list[int], qidx: torch.Tensor) -> Selections:
+def _selections(rows: list[PlanRow], n_fixed: int, ahead_rows: list[int], qidx: torch.Tensor, dev) -> Selections:
     """:class:`Selections`: the sync rows ``[n_fixed, R)`` grouped on the real query, the
-    lookahead ``ahead_rows`` on their speculated ones, over every row's candidate blocks."""
+    lookahead ``ahead_rows`` on their speculated ones (``qidx``: ``[R, positions]`` on the CPU; each
+    group's queries also on ``dev``), then every row's candidate blocks, handed to the groups."""
+    sync = _groups(rows, range(n_fixed, len(rows)), qidx, dev, use_spec=False)
+    ahead = _groups(rows, ahead_rows, qidx, dev, use_spec=True)
+    top_k = torch.tensor([r.st.choice.top_k for r in rows], dtype=torch.int64)
     blocks = row_blocks([r.st.host_slots for r in rows], [_lo(r) for r in rows],
                         [min(r.st.win_start, r.st.host_len) for r in rows], [r.st.keep_pos for r in rows])  # fmt: skip
-    return Selections(
-        sync=tuple(_groups(rows, range(n_fixed, len(rows)), blocks, qidx, use_spec=False)),
-        ahead=tuple(_groups(rows, ahead_rows, blocks, qidx, use_spec=True)),
-        blocks=blocks,
-        top_k=torch.tensor([r.st.choice.top_k for r in rows], dtype=torch.int64),
-    )
+    return Selections(sync=blocks.grouped(sync), ahead=blocks.grouped(ahead), blocks=blocks, top_k=top_k)
 
 
 def _column_layout(fb, rows: list[PlanRow], req_to_token: torch.Tensor, k: int, qidx: torch.Tensor,
@@ -199,11 +202,13 @@ def _column_layout(fb, rows: list[PlanRow], req_to_token: torch.Tensor, k: int, 
     )
 
 
-def _checked_rows(n_ahead: int, inp: PlanInputs) -> CheckedRows:
+def _checked_rows(n_ahead: int, inp: PlanInputs, qidx: torch.Tensor, dev) -> CheckedRows:
     """:class:`CheckedRows` among the ahead rows ``[0, n_ahead)``: every one is verified, and a
-    ``inp.hit_rate_sample`` share is sampled, drawn from ``inp.rng`` (one draw per ahead row, in order)."""
-    sampled = [j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample]
-    return CheckedRows(torch.arange(n_ahead, dtype=torch.int64), torch.tensor(sampled, dtype=torch.int64))
+    ``inp.hit_rate_sample`` share is sampled, drawn from ``inp.rng`` (one draw per ahead row, in order);
+    their real queries' token indices (``qidx[:, 0]``) on ``dev``."""
+    sampled = torch.tensor([j for j in range(n_ahead) if inp.rng.random() < inp.hit_rate_sample], dtype=torch.int64)
+    verify = torch.arange(n_ahead, dtype=torch.int64)
+    return CheckedRows(verify, sampled, qidx[verify, 0].to(dev), qidx[sampled, 0].to(dev))
 
 
 def row_seed(r: PlanRow) -> int:
@@ -287,8 +292,9 @@ def _lo(r: PlanRow) -> int:
     return int(r.cand[0]) if r.cand.numel() else 0
 
 
-def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, use_spec: bool) -> list:
-    """Group plan rows ``which`` by selector (one selection call per group and layer).
+def _groups(rows: list[PlanRow], which, qidx: torch.Tensor, dev, use_spec: bool) -> list[SelectionGroup]:
+    """Group plan rows ``which`` by selector (one selection call per group and layer); their
+    ``blocks`` are given afterwards (:meth:`RowBlocks.grouped`).
 
     A group's queries: the speculated positions (all of them: the selector ranks by every
     riding token's query at once) for a selector that reads them when ``use_spec``, else the
@@ -305,10 +311,7 @@ def _groups(rows: list[PlanRow], which, blocks: RowBlocks, qidx: torch.Tensor, u
         spec = use_spec and sel.uses_speculator and qidx.shape[1] > 1
         q = qidx[idx, 1:] if spec else qidx[idx, :1]
         dest = torch.tensor([order[j] for j in js], dtype=torch.int64)
-        # Every row, in order (one selector, no cold start): the step's blocks themselves, so their
-        # cached ``tokens`` are built once for the plan and the selection.
-        taken = blocks if js == list(range(len(rows))) else blocks.take(idx)
-        out.append(SelectionGroup(sel, idx, q, taken, max(rows[j].st.choice.top_k for j in js), dest))
+        out.append(SelectionGroup(sel, idx, q, None, max(rows[j].st.choice.top_k for j in js), dest, q.to(dev)))
     return out
 
 

@@ -1,79 +1,62 @@
-"""Runs a :class:`~dd_sglang.prefetch.plan.StepPlan` layer by layer.
+"""Runs a :class:`~dd_sglang.prefetch.plan.StepPlan` layer by layer, through the stages of its device profile.
 
 The attention backend calls, per decode step and layer::
 
-    plan = runner.plan(forward_batch, runtime)        # once per step (init_forward_metadata)
-    q, K, V = runner.layer_inputs(plan, ...)          # per layer, before attention
-    ...one sparse attention call over every sparse row...
-    runner.layer_done(plan, layer, q3)                # per layer, after attention
+    plan = runner.plan(forward_batch, runtime)                   # once per step (init_forward_metadata)
+    x = runner.layer_inputs(plan, layer, q3, k3, v3, ...)        # per layer, before attention
+    runner.attend(plan, q3, x, out, scale)                       # the layer's sparse attention
+    runner.layer_done(plan, layer, q3, scale)                    # per layer, after attention
 
-``layer_inputs`` (forward thread, no Python loop over rows or heads):
+Three stages, each picked once when the runner is built from a named device profile
+(:mod:`dd_sglang.prefetch.profile`: ``cpu`` or ``gpu``, refined by the ``experimental`` switches):
 
-1. waits for the layer's copy (the transfer schedule gathered the fixed rows'
-   critical-set K/V from the host tier into the layer's ring slot, ``depth``
-   layers ahead, :mod:`dd_sglang.prefetch.schedule`);
-2. selects and gathers the *sync* rows' sets (one selector call per selector
-   in the batch), and verifies the *ahead* rows' prefetched sets against the
-   real query's own (:mod:`dd_sglang.prefetch.verify`):
-   the tokens the prediction missed replace the ones it should not have
-   fetched, copied synchronously, so each layer attends the set ``host_sync``
-   would choose;
-3. gathers the resident set from the device pool (one index per K and V) and
-   writes each speculated position's own K/V into its column;
-4. returns the folded queries and the slot's K/V (the step's mask, ``plan.layout.mask``, says which
-   columns each query reads).
+* the **chooser** (:class:`~dd_sglang.prefetch.chooser.CriticalSetChooser`): before a layer's
+  attention, the sync rows' sets from the real query and the verified rows' sets checked against
+  theirs; after it, the next step's sets from the speculated queries;
+* the **source** (:mod:`dd_sglang.prefetch.sources`): how the sets' K/V reach attention: copied into
+  the layer ring ahead of the layer or when it waits, or read in place from the host tier;
+* the **attender** (:mod:`dd_sglang.prefetch.attenders`): the fused C kernel, or the resident set
+  gathered beside the sets and FlashInfer / the PyTorch reference.
 
-With ``experimental.transfer`` ``in_place`` nothing is copied in step 1, nor for the sync rows
-and verified sets in step 2: the fused C attention reads the critical sets from the host tier
-by slot (:mod:`dd_sglang.prefetch.in_place`). On the CPU fast path steps 3 and 4 are single
-indexed copies (:mod:`dd_sglang.prefetch.layer_assembly`).
+``plan`` asks the source and the attender which of them serve the step (the in-place source hands a
+small step, or one with exact rows, to its ring copies); the per-layer calls then go to those and
+test no mode.
 
-``exact_contexts`` then gives, per *exact* row (a full row: its set is its whole
-context), that context's K/V in position order, laid out as SGLang's dense
-decode reads them, for :func:`~dd_sglang.kernels.sparse_decode.dense_decode_attention`.
-
-``layer_done`` hands the slot back (the next copy reuses it) and hands this layer's queries
-to the next step's selection (:mod:`dd_sglang.prefetch.ahead_selection`: inline in chunks of
-layers, or on the select worker) and to the sampled hit-rate measurement
-(:mod:`dd_sglang.prefetch.hit_rate`).
-
-Every per-step choice (in place or copied, inline or worker selection, the C kernel or
-PyTorch, the fast path) is made when the runner is built or when the step's plan is, and is
-held by the collaborator that carries it out; per layer only what may differ between layers
-is tested (whether the fused C attention takes the layer's dtypes and layouts).
+``exact_contexts`` gives, per *exact* row (a full row: its set is its whole context), that context's
+K/V in position order, laid out as SGLang's dense decode reads them, for
+:func:`~dd_sglang.kernels.sparse_decode.dense_decode_attention`.
 
 The runner owns the prefetch layer's state: per-request prediction state
-(:class:`~dd_sglang.prefetch.plan.PredictionStore`, released with the request),
-the key indexes, the layer ring and the schedule.
+(:class:`~dd_sglang.prefetch.plan.PredictionStore`, released with the request), the key indexes,
+the layer ring and the schedule.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
 from dd_sglang.kernels import native as native_kernel
-from dd_sglang.kernels.sparse_decode import fold_gqa
 from dd_sglang.kvcache.layer_buffers import LayerRingBuffer
-from dd_sglang.prefetch.ahead_selection import SPLIT_MIN_ROWS, AheadSelection, selection_queries
+from dd_sglang.prefetch.ahead_selection import SPLIT_MIN_ROWS, AheadSelection
+from dd_sglang.prefetch.attenders import FusedAttender, GatheredAttender, LayerInputs
+from dd_sglang.prefetch.chooser import CriticalSetChooser
 from dd_sglang.prefetch.events import NO_EVENTS, PrefetchEvents, StepTally
-from dd_sglang.prefetch.gather import RingGather, flat_rows
+from dd_sglang.prefetch.gather import RingGather
 from dd_sglang.prefetch.hit_rate import HitRateProbe, StepBlocks
-from dd_sglang.prefetch.in_place import InPlaceSets
 from dd_sglang.prefetch.key_indexes import KeyIndexes
-from dd_sglang.prefetch.layer_assembly import FastAssembly, fused_takes
-from dd_sglang.prefetch.layer_rows import fixed_rows
 from dd_sglang.prefetch.params import PrefetchParams
 from dd_sglang.prefetch.plan import PlanInputs, StepPlan, build_step_plan
+from dd_sglang.prefetch.profile import DeviceProfile, fused_attention_fits, resolve_profile
 from dd_sglang.prefetch.schedule import TransferSchedule
 from dd_sglang.prefetch.selectors import SELECTORS
+from dd_sglang.prefetch.sources import InPlaceReads, RingCopies
 from dd_sglang.prefetch.trace import AttentionTrace
 from dd_sglang.prefetch.verify import LayerVerification
 
-__all__ = ["PrefetchEvents", "SparseStepRunner", "use_native_kernel"]
+__all__ = ["LayerInputs", "PrefetchEvents", "SparseStepRunner", "use_native_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +95,11 @@ class SparseStepRunner:
         params: :class:`PrefetchParams`.
         events: :class:`PrefetchEvents` receiver.
         seed: hit-rate sampling seed.
+        q_heads: query heads per layer on this rank (the GQA group decides whether the fused C
+            attention takes the model, :func:`~dd_sglang.prefetch.profile.fused_attention_fits`); None: unknown.
+        pool_contiguous: the device pool's K/V buffers are contiguous (the fused attention reads them).
+        profile: the stages to use instead of the device's (:func:`~dd_sglang.prefetch.profile.resolve_profile`);
+            a test drives the GPU profile's stages on CPU tensors with it.
     """
 
     def __init__(
@@ -123,64 +111,67 @@ class SparseStepRunner:
         params: PrefetchParams,
         events: PrefetchEvents | None = None,
         seed: int = 0,
+        q_heads: int | None = None,
+        pool_contiguous: bool = True,
+        profile: DeviceProfile | None = None,
     ):
         device = torch.device(device)
         cpu = device.type != "cuda"
         self.host = host
         self.events = events or NO_EVENTS
         self.tally = StepTally()
-        inline = params.transfer in ("inline", "in_place") or (params.transfer == "auto" and cpu)
+        native = use_native_kernel(params.kernel)
+        hkv, head_dim = host.k.shape[2], host.k.shape[3]
+        fits = pool_contiguous and host.k.dtype == dtype and fused_attention_fits(dtype, head_dim, q_heads, hkv)
+        #: The stages every step takes (:mod:`dd_sglang.prefetch.profile`).
+        self.profile = profile or resolve_profile(device, params.transfer, native, fits,
+                                                  host.k.is_contiguous() and host.v.is_contiguous())  # fmt: skip
         select_inline = params.select == "inline" or (params.select == "auto" and cpu)
         self.schedule = TransferSchedule(LayerRingBuffer(params.depth, device, dtype), on_step=self.events.transfer,
-                                         inline=inline, select_inline=select_inline)  # fmt: skip
-        native = use_native_kernel(params.kernel)
-        self.gather = RingGather(host.k, host.v, device, params.gather, native)
-        fast = self.gather.native and host.k.is_contiguous()  # gather.native: a CPU ring
-        #: The CPU fast path (:mod:`~dd_sglang.prefetch.layer_assembly`), None elsewhere.
-        self.assembly = FastAssembly(host.k.shape[2]) if fast else None
-        self.in_place = InPlaceSets(host, self.ring, self.gather, self.tally,
-                                    enabled=fast and host.v.is_contiguous()
-                                    and (params.transfer == "in_place" or (params.transfer == "auto" and cpu)),
-                                    always=params.transfer == "in_place")  # fmt: skip
-        self._log_choices(inline, native, params.transfer)
+                                         inline=self.profile.source != "copy_ahead", select_inline=select_inline)  # fmt: skip
+        copies = RingCopies(host, self.schedule, RingGather(host.k, host.v, device, params.gather, native), self.tally)
+        #: The source (:mod:`dd_sglang.prefetch.sources`).
+        self.source = (InPlaceReads(host, copies, self.tally, always=params.transfer == "in_place")
+                       if self.profile.source == "in_place" else copies)  # fmt: skip
+        #: The attender (:mod:`dd_sglang.prefetch.attenders`).
+        self.attender = (FusedAttender(hkv) if self.profile.attender == "fused_c"
+                         else GatheredAttender(device, "torch" if self.profile.attender == "torch" else None))  # fmt: skip
+        logger.info("dd_sglang device profile: %s; selection kernel: %s", self.profile.describe(),
+                    "C" if native else "PyTorch")  # fmt: skip
         self.indexes = KeyIndexes(host.k, device, native, block_means=params.first_level_tokens is not None)
         self.inputs = PlanInputs.from_params(params, req_to_token, self.indexes.index, native, seed)
-        self.ahead = AheadSelection(host, self.schedule, self.inputs.store, self.indexes, self.tally, self.events,
-                                    _split_threads(params, cpu), 1 if params.select == "split" else SPLIT_MIN_ROWS)  # fmt: skip
         blocks = StepBlocks()
         host_sync = self.inputs.selectors["host_sync"]
-        self.probe = HitRateProbe(host, self.indexes, host_sync, SELECTORS["oracle"](), native, self.events, blocks)
-        #: Verification: the real query's set, chosen as ``host_sync`` chooses it, for every ahead row.
-        self.verification = LayerVerification(host, host_sync, self.indexes, self.in_place, self.tally, blocks,
-                                              self.probe.attended)  # fmt: skip
+        probe = HitRateProbe(host, self.indexes, host_sync, SELECTORS["oracle"](), native, self.events, blocks)
+        ahead = AheadSelection(host, self.schedule, self.inputs.store, self.indexes, self.tally, self.events,
+                               _split_threads(params, cpu), 1 if params.select == "split" else SPLIT_MIN_ROWS)  # fmt: skip
+        #: The chooser: sync, verified (the real query's set, chosen as ``host_sync`` chooses it) and ahead rows.
+        self.chooser = CriticalSetChooser(
+            host, self.indexes, ahead, LayerVerification(host, host_sync, self.indexes, self.tally, blocks,
+                                                         probe.attended),
+            probe, self.schedule, self.tally, self.events,
+        )  # fmt: skip
         #: Requests that asked for an attention trace (``dd_trace``; :mod:`dd_sglang.prefetch.trace`).
         self.trace = AttentionTrace(host)
-
-    def _log_choices(self, inline: bool, native: bool, transfer: str) -> None:
-        mode = "worker" if not inline else "in place" if self.in_place.enabled else "inline"
-        if self.in_place.enabled and transfer == "auto":
-            mode += " from 6 (row, KV head) pairs a step, else inline"
-        logger.info("dd_sglang critical-set transfer: %s; selection kernel: %s", mode,
-                    "C" if native else "PyTorch")  # fmt: skip
+        self._source, self._attender = self.source, self.attender  # the step's (``plan``)
 
     # ------------------------------------------------------------------ state
-    @property
-    def fast(self) -> bool:
-        """CPU with the C kernel: each layer's moves are single indexed copies over the rows of
-        :mod:`~dd_sglang.prefetch.layer_rows`, built once per step."""
-        return self.assembly is not None
-
     @property
     def ring(self) -> LayerRingBuffer:
         """The layer ring the step's critical sets are copied into (``[slots, rows, Hkv, columns, D]``)."""
         return self.schedule.ring
 
     @property
+    def step_source(self):
+        """The source serving the current step (:attr:`source`, or the ring copies it handed the step to)."""
+        return self._source
+
+    @property
     def store(self):
         """The per-request :class:`~dd_sglang.prefetch.plan.PredictionStore`."""
         return self.inputs.store
 
-    def index(self, location: str):
+    def key_index(self, location: str):
         """The key index at ``location`` (:meth:`KeyIndexes.index`)."""
         return self.indexes.index(location)
 
@@ -206,64 +197,32 @@ class SparseStepRunner:
 
     # ------------------------------------------------------------------ per step
     def plan(self, fb, rt) -> StepPlan | None:
-        """Plan the step, make its choices and start its copies; None (and nothing queued) without sparse rows."""
+        """Plan the step, pick the source and attender that serve it and start its copies; None (and
+        nothing queued) without sparse rows."""
         self.schedule.drain_select()  # last step's selections are read by this plan
         self.tally.flush(self.events)
         plan = build_step_plan(fb, rt, self.inputs, self.events.speculation)
-        self.ahead.begin(plan)
+        self.chooser.begin(plan)
         self.trace.begin(plan, rt, fb)
         if plan is None:
-            self.schedule.end_step()
+            self.end_step()
             self.ring.release()
             return None
-        self.probe.attended.clear()
         self.ring.reserve(plan.num_rows, self.host.k.shape[2], plan.layout.columns, self.host.k.shape[3])
-        self.in_place.begin(plan)
-        if plan.n_fixed and self.in_place.table is None:
-            self.schedule.begin_step(list(range(self.host.layer_num)), self._gather_fn(plan))
-        else:
-            self.schedule.end_step()
+        self._attender = self.attender.begin(plan, self.ring)
+        self._source = self.source.begin(plan)
         self.events.phase("plan", time.perf_counter() - plan.started)
         return plan
 
     def split_threads(self, split: bool) -> None:
         """The forward thread's intra-op threads for the coming forward (:meth:`AheadSelection.split_threads`)."""
-        self.ahead.split_threads(split)
-
-    def _gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
-        """The copy of layer ``l``'s fixed rows (plan rows ``[0, n_fixed)``) into its ring slot."""
-        if self.fast:
-            return self._fast_gather_fn(plan)
-        rows, c0, k = slice(0, plan.n_fixed), plan.layout.n_res, plan.layout.k
-        gather, copied, n_slots = self.gather, self.events.copied, self.ring.n_slots
-
-        def copy(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
-            src = flat_rows(plan.fixed.slots[layer])
-            copied(gather.copy(layer, src, k_slot, v_slot, rows, c0, k, layer % n_slots))
-
-        return copy
-
-    def _fast_gather_fn(self, plan: StepPlan) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
-        """:meth:`_gather_fn` on the fast path: every layer's source rows built here, once; one C
-        call a layer."""
-        hk, hv = self.host.k, self.host.v
-        src, dst = fixed_rows(plan, hk.shape[2], self.ring.shape[1:])
-        row_bytes = hk.shape[3] * hk.element_size()
-        layer_bytes = hk.stride(0) * hk.element_size()
-        kp, vp, nbytes = hk.data_ptr(), hv.data_ptr(), 2 * src.shape[1] * row_bytes
-        tally = self.tally
-
-        def copy(layer: int, k_slot: torch.Tensor, v_slot: torch.Tensor) -> None:
-            native_kernel.gather_rows_unchecked(kp + layer * layer_bytes, vp + layer * layer_bytes, k_slot.data_ptr(),
-                                                v_slot.data_ptr(), src[layer], dst, row_bytes)  # fmt: skip
-            tally.copied += nbytes
-
-        return copy
+        self.chooser.ahead.split_threads(split)
 
     # ------------------------------------------------------------------ per layer
-    def layer_inputs(self, plan: StepPlan, layer: int, q3: torch.Tensor, k3: torch.Tensor,
-                     v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float):  # fmt: skip
-        """Attention inputs of host layer ``layer`` for every sparse row (module docstring).
+    def layer_inputs(self, plan: StepPlan, layer: int, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
+                     k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float) -> LayerInputs:  # fmt: skip
+        """Attention inputs of host layer ``layer`` for every sparse row: the layer's slot (its copy
+        waited for), the sets the chooser picks now put into it by the source, the attender's inputs.
 
         Args:
             q3: ``[tokens, Hq, D]`` this layer's queries (real rows, then speculated positions).
@@ -272,74 +231,29 @@ class SparseStepRunner:
             k_buf, v_buf: the device pool's ``[slots, Hkv, D]`` buffers of this layer.
 
         Returns:
-            ``(q, keys, values)`` for the sparse attention (:class:`dd_sglang.kernels.dispatch.SparseAttention`,
-            which reads the columns from ``plan.layout.mask``): ``[R, Hkv, P x group, D]`` (``P =
-            plan.layout.positions``) and ``[R, Hkv, columns, D]`` views of the layer's ring slot; ``q`` None
-            on the fast path where the fused C attention takes the layer (:meth:`attend` runs it).
+            :class:`~dd_sglang.prefetch.attenders.LayerInputs` for :meth:`attend`.
         """
-        if plan.n_fixed and self.in_place.table is None:
-            slot_k, slot_v = self.schedule.wait(layer)
-        else:
-            slot_k, slot_v = self.ring.slot(layer)  # the whole slot: [reserved rows, Hkv, reserved columns, D]
-        r, c = plan.num_rows, plan.layout.columns
-        sync, verify = plan.selection.sync, plan.checks.verify_rows.numel()
-        keys, values = slot_k[:r, :, :c], slot_v[:r, :, :c]
+        source = self._source
+        slot_k, slot_v = source.slot(layer)
+        self.chooser.before_attention(plan, layer, q3, scale, source)
         t0 = time.perf_counter()
-        for g in sync:
-            self._sync_select(plan, g, layer, q3, scale)
-        if verify:
-            self.verification.run(plan, layer, q3, scale, slot_k, slot_v)
-        elif plan.checks.sampled.numel():
-            self.probe.attended[layer] = plan.fixed.slots[layer][: plan.n_ahead]
-        t1 = time.perf_counter()
-        if sync or verify:
-            self.tally.phase("select", t1 - t0)
-        fast = self.fast and k_buf.dtype == slot_k.dtype and k_buf.is_contiguous() and v_buf.is_contiguous()
-        fused = fast and fused_takes(plan, q3, k_buf, v_buf)
-        self.in_place.begin_layer(plan, layer, fused, slot_k, slot_v)
-        if fast:
-            q = self.assembly.assemble(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, keys, values, fused)
-        else:
-            q = self._assemble(plan, q3, k3, v3, k_buf, v_buf, keys, values)
-        self.tally.phase("assemble", time.perf_counter() - t1)
+        x = self._attender.inputs(plan, q3, k3, v3, k_buf, v_buf, slot_k, slot_v, source.layer_sets(plan, layer))
+        self.tally.phase("assemble", time.perf_counter() - t0)
         if self.trace.rows:
-            self.trace.layer(plan, layer, q3, scale, slot_k, k_buf, fused, self.in_place.layer_sets)
-        return q, keys, values
+            self.trace.layer(plan, layer, q3, scale, slot_k, k_buf, self._attender.reads_pool, x.sets)
+        return x
 
-    @staticmethod
-    def _assemble(plan: StepPlan, q3, k3, v3, k_buf, v_buf, keys, values) -> torch.Tensor:
-        """:meth:`layer_inputs`' resident set, speculated K/V and folded queries with PyTorch indexing."""
-        layout, spec = plan.layout, plan.spec
-        n_res = layout.n_res
-        keys[:, :, :n_res] = k_buf[layout.res_slots].transpose(1, 2)
-        values[:, :, :n_res] = v_buf[layout.res_slots].transpose(1, 2)
-        if spec.rows.numel():
-            keys[spec.rows, :, spec.cols] = k3[spec.tokens].to(keys.dtype)
-            values[spec.rows, :, spec.cols] = v3[spec.tokens].to(values.dtype)
-        return fold_gqa(q3[layout.qidx], k_buf.shape[1])
-
-    def attend(self, plan: StepPlan, attention, q3: torch.Tensor, q: torch.Tensor | None, keys: torch.Tensor,
-               values: torch.Tensor, out: torch.Tensor, scale: float) -> None:  # fmt: skip
+    def attend(self, plan: StepPlan, q3: torch.Tensor, x: LayerInputs, out: torch.Tensor, scale: float) -> None:
         """One layer's sparse attention of every sparse row, written into its rows of ``out``
-        (``[tokens, Hq, Dv]``): the fused C kernel over the ring slot where :meth:`layer_inputs`
-        returned no folded queries (``q`` None, the CPU fast path), else ``attention``
-        (:class:`~dd_sglang.kernels.dispatch.SparseAttention`) then :meth:`scatter_output`."""
-        if q is None:
-            self.assembly.attend(q3, out, scale, self.in_place.layer_sets)
-            return
-        self.scatter_output(plan, attention.run(q, keys, values, scale), out)
-
-    def scatter_output(self, plan: StepPlan, o: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the sparse attention's output ``o`` (``[R, Hkv, P x G, Dv]``) into the layer's output
-        ``out`` (``[tokens, Hq, Dv]``, contiguous): each row's real query and each speculated position."""
-        FastAssembly.scatter(plan, self.assembly.rows_of(plan) if self.assembly else None, o, out)
+        (``[tokens, Hq, Dv]``), by the step's attender."""
+        self._attender.attend(plan, q3, x, out, scale)
 
     @staticmethod
-    def exact_contexts(plan: StepPlan, keys: torch.Tensor, values: torch.Tensor):
+    def exact_contexts(plan: StepPlan, x: LayerInputs):
         """Per exact row (``plan.exact.batch_rows``): ``(batch_row, K, V)``, its context's ``[seq_len, Hkv, D]``
         K/V in position order, contiguous (the layout of SGLang's ``k_cache[req_to_token[row]]``).
 
-        ``keys`` / ``values``: the ``[R, Hkv, columns, D]`` views :meth:`layer_inputs` returned. The
+        ``x``: the layer's :class:`LayerInputs` (its ``[R, Hkv, columns, D]`` slot views). The
         plan rows of exact rows are found from ``plan.rows`` once per call (few rows: exact rows
         exist only where ``top_k`` covers the context).
         """
@@ -348,34 +262,12 @@ class SparseStepRunner:
         where = {b: j for j, b in enumerate(plan.rows.tolist())}
         for b, cols in zip(plan.exact.batch_rows, plan.exact.cols, strict=True):
             j = where[b]
-            yield b, keys[j][:, cols].transpose(0, 1).contiguous(), values[j][:, cols].transpose(0, 1).contiguous()
-
-    def _sync_select(self, plan: StepPlan, g, layer: int, q3: torch.Tensor, scale: float) -> None:
-        """Select sync group ``g``'s sets from this layer's queries and gather them into columns
-        ``[n_res, ...)`` of its rows (a synchronous copy; with in-place reads only recorded)."""
-        q = selection_queries(q3, g.query, self.host.k.shape[2]).cpu()
-        _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, self.indexes.of(g.selector), layer)
-        n_res = plan.layout.n_res
-        if self.in_place.table is not None:
-            self.in_place.record(plan, layer, g.rows, slots, n_res)
-        else:
-            k_slot, v_slot = self.ring.slot(layer)
-            self.tally.copied += self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, g.rows, n_res,
-                                                  slots.shape[2], layer % self.ring.n_slots)  # fmt: skip
-        if g.selector.lookahead:
-            self.events.cold(g.selector.name, int(g.rows.numel()))
+            yield b, x.keys[j][:, cols].transpose(0, 1).contiguous(), x.values[j][:, cols].transpose(0, 1).contiguous()
 
     def layer_done(self, plan: StepPlan, layer: int, q3: torch.Tensor, scale: float) -> None:
-        """After ``layer``'s attention: free its ring slot; queue next-step selection and sampling."""
-        if plan.n_fixed:
-            self.schedule.done(layer)
-        self.ahead.after_layer(plan, layer, q3, scale, self.assembly.rows_of(plan) if self.assembly else None)
-        sampled = plan.checks.sampled
-        if sampled.numel():
-            qidx = plan.layout.qidx
-            q = q3[qidx[sampled.to(qidx.device), 0]].detach().to("cpu", copy=True)
-            attended = self.probe.attended.get(layer)
-            self.schedule.submit_select(lambda: self.probe.measure(plan, layer, q, scale, attended))
+        """After ``layer``'s attention: free its ring slot; the next step's selection and sampling."""
+        self._source.done(layer)
+        self.chooser.after_attention(plan, layer, q3, scale, self._attender.rows(plan))
         if layer == self.host.layer_num - 1:
             self.tally.flush(self.events)
             if self.trace.rows:
@@ -383,5 +275,5 @@ class SparseStepRunner:
 
     def end_step(self) -> None:
         """Finish the step's copies (no layer left to wait for them) and report its counts."""
-        self.schedule.end_step()
+        self._source.end_step()
         self.tally.flush(self.events)

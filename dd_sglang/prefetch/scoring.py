@@ -27,7 +27,7 @@ Candidates are a row's host-tier positions outside its resident set:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -65,6 +65,14 @@ class RowBlocks:
         """The same for a subset of rows (``[n]`` int64 row indices)."""
         t = (self.blocks, self.pos0, self.valid, self.cand, self.n_valid)
         return RowBlocks(*(x[rows] for x in t), self.holes)
+
+    def grouped(self, groups) -> tuple:
+        """Selection groups (dataclasses with ``rows``, ``[n]`` int64, and ``blocks``) given their rows'
+        blocks: these very blocks for a group of every row in order (their cached :attr:`tokens` are then
+        built once for the step), else :meth:`take` of its rows."""
+        n = self.blocks.shape[0]
+        every = torch.arange(n)
+        return tuple(replace(g, blocks=self if torch.equal(g.rows, every) else self.take(g.rows)) for g in groups)
 
     @cached_property
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:

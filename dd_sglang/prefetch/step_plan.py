@@ -36,9 +36,10 @@ class SelectionGroup:
     """Rows that one selector serves at once.
 
     ``rows``: ``[n]`` int64 plan rows; ``query``: ``[n, Q]`` int64 token indices of the queries
-    that drive the selection (the speculated positions, or the real one); ``blocks``: their
-    :class:`RowBlocks`; ``k``: the largest ``top_k`` among them (columns past a row's own
-    ``top_k`` are masked); ``dest``: for next-step selections, the rows' indices in
+    that drive the selection (the speculated positions, or the real one), and ``query_dev``, the
+    same on the batch's device (indexing the layer's queries there without a copy per layer);
+    ``blocks``: their :class:`RowBlocks`; ``k``: the largest ``top_k`` among them (columns past a
+    row's own ``top_k`` are masked); ``dest``: for next-step selections, the rows' indices in
     :attr:`NextSets.rids`.
     """
 
@@ -48,6 +49,7 @@ class SelectionGroup:
     blocks: RowBlocks
     k: int
     dest: torch.Tensor | None = None
+    query_dev: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -124,11 +126,14 @@ class CheckedRows:
 
     ``verify_rows``: ``[n]`` int64 rows verified (and repaired) at every layer: every ahead row
     (:mod:`dd_sglang.prefetch.verify`); ``sampled``: ``[n]`` int64 rows whose prefetch hit
-    rate this step measures.
+    rate this step measures; ``verify_tokens`` / ``sampled_tokens``: the token index of each one's real
+    query, on the batch's device (the layer's queries are indexed there, then copied to the host).
     """
 
     verify_rows: torch.Tensor
     sampled: torch.Tensor
+    verify_tokens: torch.Tensor | None = None
+    sampled_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -97,67 +97,42 @@ def verify_sets(have_pos: torch.Tensor, have_slots: torch.Tensor, want_pos: torc
 class LayerVerification:
     """Applies :func:`verify_sets` to the plan's verified rows (``plan.checks.verify_rows``) at each layer:
     the real query's set, chosen as ``host_sync`` chooses it, with the prefetched tokens kept in
-    place and the misses fetched now (into the in-place table, or copied into the ring slot's
-    freed columns).
+    place and the misses fetched now by the step's source (:mod:`dd_sglang.prefetch.sources`: into the
+    in-place table, or copied into the ring slot's freed columns).
 
     Args:
         host: the host tier (``k``/``v`` ``[layers, slots, Hkv, D]``).
         host_sync: the ``host_sync`` selector; ``indexes``: the runner's key indexes (``"host"``).
-        in_place: the step's :class:`~dd_sglang.prefetch.in_place.InPlaceSets`.
         tally: the step's :class:`~dd_sglang.prefetch.events.StepTally`.
         blocks: the runner's :class:`~dd_sglang.prefetch.hit_rate.StepBlocks`.
         attended: the hit-rate probe's per-layer attended sets (written on sampled steps).
     """
 
-    def __init__(self, host, host_sync, indexes, in_place, tally, blocks, attended: dict):
+    def __init__(self, host, host_sync, indexes, tally, blocks, attended: dict):
         self.host = host
         self.host_sync = host_sync
         self.indexes = indexes
-        self.in_place = in_place
         self.tally = tally
         self.blocks = blocks
         self.attended = attended
 
-    def run(self, plan, layer: int, q3: torch.Tensor, scale: float, slot_k: torch.Tensor,
-            slot_v: torch.Tensor) -> None:  # fmt: skip
+    def run(self, plan, layer: int, q3: torch.Tensor, scale: float, source) -> None:
         """Verify ``layer``'s sets of the verified rows against their real queries (``q3``:
-        ``[tokens, Hq, D]``); ``slot_k``/``slot_v``: the layer's whole ring slot."""
+        ``[tokens, Hq, D]``; copied to the host: the one device-to-host copy verification needs) and hand
+        the result to ``source`` (``put_verified``)."""
         rows = plan.checks.verify_rows
         blocks = self.blocks.take(plan, "verify", rows)
-        qidx, k = plan.layout.qidx, plan.layout.k
-        q = q3[qidx[rows.to(qidx.device), 0]].detach().cpu()
+        k = plan.layout.k
+        q = q3[plan.checks.verify_tokens].detach().cpu()
         want_pos, want_slots = self.host_sync.select(q, blocks, self.host.k[layer], k, scale,
                                                      self.indexes.index("host"), layer)  # fmt: skip
         top_k = plan.selection.top_k[rows]
         fixed = plan.fixed
         v = verify_sets(fixed.pos[layer][rows], fixed.slots[layer][rows], want_pos, want_slots, top_k)
-        fetched = int(v.fetched.sum())
-        table = self.in_place.table
-        if table is not None:
-            table[layer, rows, :, :k] = torch.where(table[layer, rows, :, :k] >= 0, v.slots, -1)
-            self.tally.copied += 2 * fetched * self.host.k.shape[3] * self.host.k.element_size()
-        elif fetched:
-            self._fetch_columns(plan, layer, rows, v, slot_k, slot_v)
+        attended = source.put_verified(plan, layer, rows, v, bool(plan.checks.sampled.numel()))
         hkv, labels = want_pos.shape[1], plan.requests.labels
         for i, j in enumerate(rows.tolist()):
             self.tally.verify(labels[j], int(v.hits[i]), hkv * int(top_k[i]))
-        self.tally.miss("verify", int(v.fetched.flatten(1).any(dim=1).sum()), fetched)  # rows (this layer) that fetched
-        if plan.checks.sampled.numel():  # what attention reads: the in-place table, else the ring's columns
-            if table is not None:
-                attended = table[layer, : plan.n_ahead].clone()
-            else:
-                attended = plan.fixed.slots[layer][: plan.n_ahead].clone()
-                attended[rows] = v.slots
+        self.tally.miss("verify", int(v.fetched.flatten(1).any(dim=1).sum()), int(v.fetched.sum()))
+        if attended is not None:  # what attention reads, for the sampled recall
             self.attended[layer] = attended
-
-    def _fetch_columns(self, plan, layer: int, rows: torch.Tensor, v: VerifiedSets, slot_k: torch.Tensor,
-                       slot_v: torch.Tensor) -> None:  # fmt: skip
-        """Copy the host-tier K/V of the verified sets' fetched columns (``v.fetched``) into the ring
-        slot's critical-set columns of plan rows ``rows`` (a synchronous gather of the misses only)."""
-        r, h, c = v.fetched.nonzero(as_tuple=True)
-        src = v.slots[r, h, c]
-        dst_rows, dst_cols = rows[r].to(slot_k.device), (plan.layout.n_res + c).to(slot_k.device)
-        dst_heads = h.to(slot_k.device)
-        for host, slot in ((self.host.k[layer], slot_k), (self.host.v[layer], slot_v)):
-            slot[dst_rows, dst_heads, dst_cols] = host[src, h].to(slot.device, slot.dtype, non_blocking=True)
-        self.tally.copied += 2 * int(src.numel()) * self.host.k.shape[3] * self.host.k.element_size()
