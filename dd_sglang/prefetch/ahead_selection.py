@@ -13,7 +13,7 @@ After each layer's attention the runner hands this layer's queries here
   ``bench.decode_speed`` on 2 cores (SmolLM2, ``bench/results/archive/decode_speed_per_layer_select_cpu.json``
   against commit be9441f's ``decode_speed_cpu.json``) chunks cut the selection from 38 to 18 ms
   per step at 4k x 1 and left it at ~120 ms at 4k x 8, where scores of more layers at once no
-  longer fit the caches. On the CPU fast path the queries go straight into one per-step buffer
+  longer fit the caches. With the fused C attender the queries go straight into one per-step buffer
   (no stacking);
 * *split* (``split``, or ``auto`` on a CPU with 2+ intra-op threads from :data:`SPLIT_MIN_ROWS`
   rows selecting ahead): the worker, with the forward's own operations on one thread.
@@ -118,7 +118,7 @@ class AheadSelection:
     def after_layer(self, plan, layer: int, q3: torch.Tensor, scale: float, fast_rows) -> None:
         """Queue or run the next step's selection of every ahead group from ``layer``'s queries ``q3``
         (``[tokens, Hq, D]``). ``fast_rows``: the step's :class:`~dd_sglang.prefetch.layer_rows.LayerRows`
-        on the CPU fast path, else None."""
+        of the fused C attender, else None."""
         last = layer == self.host.layer_num - 1
         inline = self.schedule.select_inline
         for gi, g in enumerate(plan.selection.ahead):
@@ -152,7 +152,7 @@ class AheadSelection:
 
     def _into_step_buffer(self, gi: int, g, layer: int, q3: torch.Tensor, scale: float, last: bool,
                           sel: torch.Tensor) -> None:  # fmt: skip
-        """Inline selection on the fast path: the layer's selection queries (token rows ``sel``) go
+        """Inline selection with the fused C attender: the layer's selection queries (token rows ``sel``) go
         into the step's ``[layers, n, Q x Hq, D]`` buffer (one ``index_select``); a full chunk is
         selected from a view of it (no stacking)."""
         d = q3.shape[2]

@@ -92,6 +92,8 @@ class RingGather:
         # The C copies write through host pointers: a CPU ring only (``cpu`` mode on a CUDA ring
         # gathers on the host, then copies to the device).
         self.native = native and mode == "cpu" and not cuda and native_kernel.available()
+        self._copy = (self._copy_kernel if mode == "kernel" else self._copy_staging if mode == "staging"
+                      else self._copy_native if self.native else self._copy_cpu)  # fmt: skip
         self._dst_cache: dict[tuple, torch.Tensor] = {}
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
 
@@ -107,46 +109,66 @@ class RingGather:
     def copy(self, layer: int, src_rows: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
              rows: torch.Tensor | slice, c0: int, width: int, slot: int = 0) -> int:  # fmt: skip
         """Copy host rows ``src_rows`` of ``layer`` (K and V) into columns ``[c0, c0 + width)`` of
-        plan rows ``rows`` of a ring slot.
+        plan rows ``rows`` of a ring slot, by the mode chosen at construction.
 
         ``k_dst``/``v_dst``: the slot, contiguous ``[R, Hkv, N, D]``; ``src_rows``: ``[n x Hkv x
         width]`` int64 (:func:`flat_rows` of ``[n, Hkv, width]`` slots); ``rows``: the ``n`` plan rows
         (a slice or ``[n]`` int64); ``slot``: the ring slot index (staging buffers are per slot).
         On CUDA the call is asynchronous on the current stream. Returns the bytes moved (K and V).
         """
+        return self._copy(layer, src_rows, k_dst, v_dst, rows, c0, width, slot)
+
+    def _copy_kernel(self, layer, src_rows, k_dst, v_dst, rows, c0, width, slot) -> int:
+        """``kernel``: SGLang's transfer kernel reads the pinned host tier from the GPU."""
         d = self.host_k.shape[3]
-        hkv = k_dst.shape[1]
         src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
-        m = int(src_rows.numel())
-        cols = slice(c0, c0 + width)
-        if self.mode == "kernel":
-            r = torch.arange(k_dst.shape[0])[rows] if isinstance(rows, slice) else rows
-            dst = ring_rows(r, hkv, k_dst.shape[2], c0, width)
-            self._transfer(src_k=src_k, dst_k=k_dst.view(-1, d), src_v=src_v, dst_v=v_dst.view(-1, d),
-                           src_indices=src_rows.to(self.device, non_blocking=True),
-                           dst_indices=dst.to(self.device, non_blocking=True),
-                           item_size=d * src_k.element_size(), block_quota=BLOCK_QUOTA)  # fmt: skip
-            return 2 * m * d * src_k.element_size()
-        if self.native and k_dst.dtype == src_k.dtype and k_dst.is_contiguous() and v_dst.is_contiguous():
-            dst = self._dst_rows(rows, k_dst.shape, c0, width)
-            native_kernel.gather_rows(src_k, src_v, k_dst.view(-1, d), v_dst.view(-1, d), src_rows, dst)
-            return 2 * m * d * src_k.element_size()
-        if self.mode == "cpu":
-            kk, vv = src_k.index_select(0, src_rows), src_v.index_select(0, src_rows)
-        else:
-            kk, vv = self._stage(slot, m, d, src_k.dtype)
-            torch.index_select(src_k, 0, src_rows, out=kk)
-            torch.index_select(src_v, 0, src_rows, out=vv)
+        r = torch.arange(k_dst.shape[0])[rows] if isinstance(rows, slice) else rows
+        dst = ring_rows(r, k_dst.shape[1], k_dst.shape[2], c0, width)
+        self._transfer(src_k=src_k, dst_k=k_dst.view(-1, d), src_v=src_v, dst_v=v_dst.view(-1, d),
+                       src_indices=src_rows.to(self.device, non_blocking=True),
+                       dst_indices=dst.to(self.device, non_blocking=True),
+                       item_size=d * src_k.element_size(), block_quota=BLOCK_QUOTA)  # fmt: skip
+        return 2 * int(src_rows.numel()) * d * src_k.element_size()
+
+    def _copy_native(self, layer, src_rows, k_dst, v_dst, rows, c0, width, slot) -> int:
+        """``cpu`` with the C kernel: one C row copy for K and V (a slot of another dtype or layout:
+        PyTorch's indexing)."""
+        d = self.host_k.shape[3]
+        src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
+        if k_dst.dtype != src_k.dtype or not (k_dst.is_contiguous() and v_dst.is_contiguous()):
+            return self._copy_cpu(layer, src_rows, k_dst, v_dst, rows, c0, width, slot)
+        dst = self._dst_rows(rows, k_dst.shape, c0, width)
+        native_kernel.gather_rows(src_k, src_v, k_dst.view(-1, d), v_dst.view(-1, d), src_rows, dst)
+        return 2 * int(src_rows.numel()) * d * src_k.element_size()
+
+    def _copy_cpu(self, layer, src_rows, k_dst, v_dst, rows, c0, width, slot) -> int:
+        """``cpu``: PyTorch's ``index_select`` on the host, then one copy into the slot."""
+        d = self.host_k.shape[3]
+        src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
+        self._write(k_dst, v_dst, rows, c0, width, src_k.index_select(0, src_rows), src_v.index_select(0, src_rows))
+        return 2 * int(src_rows.numel()) * d * src_k.element_size()
+
+    def _copy_staging(self, layer, src_rows, k_dst, v_dst, rows, c0, width, slot) -> int:
+        """``staging``: a host gather into the slot's pinned staging buffers, then one copy to the device
+        (an event marks when the buffers may be reused)."""
+        d = self.host_k.shape[3]
+        src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
+        kk, vv = self._stage(slot, int(src_rows.numel()), d, src_k.dtype)
+        torch.index_select(src_k, 0, src_rows, out=kk)
+        torch.index_select(src_v, 0, src_rows, out=vv)
+        self._write(k_dst, v_dst, rows, c0, width, kk, vv)
+        evt = torch.cuda.Event()
+        evt.record()
+        self._staging[slot] = (*self._staging[slot][:2], evt)
+        return 2 * int(src_rows.numel()) * d * src_k.element_size()
+
+    def _write(self, k_dst, v_dst, rows, c0: int, width: int, kk: torch.Tensor, vv: torch.Tensor) -> None:
+        """Gathered host rows ``kk``/``vv`` (``[n x Hkv x width, D]``) into columns ``[c0, c0 + width)`` of ``rows``."""
         if not isinstance(rows, slice):
             rows = rows.to(self.device)
-        shape = (-1, hkv, width, d)
+        shape, cols = (-1, k_dst.shape[1], width, kk.shape[1]), slice(c0, c0 + width)
         k_dst[rows, :, cols] = kk.view(shape).to(self.device, non_blocking=True)
         v_dst[rows, :, cols] = vv.view(shape).to(self.device, non_blocking=True)
-        if self.mode == "staging":
-            evt = torch.cuda.Event()
-            evt.record()
-            self._staging[slot] = (*self._staging[slot][:2], evt)
-        return 2 * m * d * src_k.element_size()
 
     def _dst_rows(self, rows: torch.Tensor | slice, shape: torch.Size, c0: int, width: int) -> torch.Tensor:
         """:func:`ring_rows` of ``rows`` in a slot of ``shape``; for a slice of rows (the fixed rows,
