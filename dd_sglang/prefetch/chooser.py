@@ -20,6 +20,7 @@ A sampled step also measures the prediction's hit rate and the attended set's re
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -28,10 +29,11 @@ from dd_sglang.prefetch.hit_rate import HitRateProbe
 from dd_sglang.prefetch.verify import LayerVerification
 
 
+@dataclass(frozen=True)
 class CriticalSetChooser:
     """Runs the step's three selection policies at each layer (module docstring).
 
-    Args:
+    Attributes:
         host: the host tier (``k`` ``[layers, slots, Hkv, D]``).
         indexes: the :class:`~dd_sglang.prefetch.key_indexes.KeyIndexes`.
         ahead: the :class:`AheadSelection` (next-step sets).
@@ -41,16 +43,14 @@ class CriticalSetChooser:
         tally: the step's :class:`~dd_sglang.prefetch.events.StepTally`; ``events``: the receiver.
     """
 
-    def __init__(self, host, indexes, ahead: AheadSelection, verification: LayerVerification,
-                 probe: HitRateProbe, schedule, tally, events):  # fmt: skip
-        self.host = host
-        self.indexes = indexes
-        self.ahead = ahead
-        self.verification = verification
-        self.probe = probe
-        self.schedule = schedule
-        self.tally = tally
-        self.events = events
+    host: object
+    indexes: object
+    ahead: AheadSelection
+    verification: LayerVerification
+    probe: HitRateProbe
+    schedule: object
+    tally: object
+    events: object
 
     def begin(self, plan) -> None:
         """A new step (or none, ``plan`` None): where its ahead selection runs; no attended sets kept."""
