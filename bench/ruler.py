@@ -144,6 +144,14 @@ def niah_single_1_spec(samples: int) -> dict:
     return cfg
 
 
+def _ruler_dir() -> Path:
+    """lm-eval's RULER task folder: the one a ``TaskManager`` here indexes (every task of :data:`TASKS`
+    is there; lm-eval's default index reads all of its ~28,000 task YAML files, ~7 s a call here)."""
+    from lm_eval.tasks.ruler import common_utils
+
+    return Path(common_utils.__file__).parent
+
+
 def _no_loglikelihood(lm, requests, disable_tqdm=False):
     raise NotImplementedError("bench.ruler runs generation tasks only")
 
@@ -169,7 +177,8 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     out = lm_eval.simple_evaluate(
         model=lm.lm,
         tasks=[niah_single_1_spec(max(ids) + 1 if ids else samples) if task == "niah_single_1" else task],
-        task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer,
+        task_manager=TaskManager(include_path=_ruler_dir(), include_defaults=False,
+                                 metadata={"max_seq_lengths": [length], "tokenizer": tokenizer,
                                            "pretrained": tokenizer}),  # fmt: skip
         **pick,
         gen_kwargs={"max_gen_toks": max_gen_toks},
