@@ -11,7 +11,7 @@ boots (``tests/conftest.py``) only the servers its own lane's tests use:
 * lane 0: the session's dense server, the ``dualdecoder`` package's server and every
   server-free module (run while those two start up);
 * lane 1 (:data:`LANE_1`): the reliability package's server, the router's workers, the
-  launcher watchdog's SGLang, ``test_config.py``'s SGLang-importing launcher runs and three
+  launcher watchdog's SGLang, ``test_config.py``'s SGLang-importing launcher runs and five
   slow server-free modules (run while the reliability server starts up). Nothing on lane 1 uses
   the dense server.
 
@@ -36,6 +36,10 @@ LANE_1 = (
     "tests/test_bench_quality_units.py",
     "tests/test_models.py",
     "tests/test_gpu_check.py",
+    # The two memory-growth modules (subprocesses that measure RSS, not time; 46 s and 20 s under
+    # load): lane 0 was the tail by ~115 s of test time (2026-12-07, Intel AMX host, ``--durations=0``).
+    "tests/test_platform_heap.py",
+    "tests/test_platform_linear.py",
 )
 
 
