@@ -32,7 +32,8 @@ row's context; a step whose rows are all sparse does not plan it at all.
 
 Not supported with sparse rows: CUDA graphs and overlap scheduling (the
 launcher turns both off with this backend), mixed chunked prefill (rejected at
-start). This backend has not been run on a GPU.
+start), cross-attention layers (encoder-decoder models: the dense backend is
+planned on the dense rows' sub-batch, not on the batch such a layer reads). This backend has not been run on a GPU.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class DualDecoderAttnBackend(AttentionBackend):
             radix cache). Without one every step is dense.
         prefetch: :class:`PrefetchParams`.
         events: :class:`BackendEvents` receiver (metrics).
-        q_heads: query heads per layer on this rank (``ModelConfig.get_num_attention_heads(tp_size)``);
-            None: unknown (the fused C attention is then not used).
+        q_heads: query heads per layer on this rank (``ModelConfig.get_max_num_attention_heads() //
+            attn_tp_size``, as SGLang's FlashInfer backend plans); None: unknown (the fused C attention is
+            then not used).
         kv_index_translator: SGLang's ``ModelRunner.kv_index_translator`` (the dense sub-batch's own
             ``KVLocPlan``), or None.
 
