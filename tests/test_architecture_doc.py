@@ -1,11 +1,15 @@
 """docs/architecture.md names, per device, the file and function of each stage of a decode step: every
-``dd_sglang/...py: Name.attr`` entry of its stage table is imported here, so a rename or a move fails."""
+``dd_sglang/...py: Name.attr`` entry of its stage table is imported here, so a rename or a move fails;
+a runner built with each named device profile uses the stages its column names, and a profile or
+transfer outside the allowed values is refused."""
 
 from __future__ import annotations
 
 import importlib
 import re
 from pathlib import Path
+
+import pytest
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 ENTRY = re.compile(r"`(dd_sglang/[\w/]+\.py): ([\w.]+)`")
@@ -68,3 +72,15 @@ def test_a_runner_built_with_each_profile_uses_the_stages_its_column_names():
                                   profile=profile)  # fmt: skip
         used = {type(runner.source).__name__, type(runner.attender).__name__}
         assert used <= columns[name], (name, used, columns[name])
+
+
+def test_a_profile_or_transfer_outside_the_allowed_values_is_refused_naming_the_field():
+    from dd_sglang.prefetch.profile import CPU, DeviceProfile, resolve_profile
+
+    with pytest.raises(ValueError, match=r"DeviceProfile.source must be one of \['copy_ahead', 'copy_inline', 'in_place'\]"):
+        DeviceProfile("x", "host_sync", "in-place", "fused_c")
+    with pytest.raises(ValueError, match=r"DeviceProfile.attender must be one of"):
+        DeviceProfile("x", "host_sync", "in_place", "fused")
+    with pytest.raises(ValueError, match=r"experimental.transfer must be one of \['auto', 'worker', 'inline', 'in_place'\]"):
+        resolve_profile("cpu", "ahead", True, True, True)
+    assert resolve_profile("cpu", "auto", True, True, True) is CPU

@@ -58,7 +58,6 @@ class FusedAttender:
         hkv: KV heads of the host tier.
     """
 
-    name = "fused_c"
     #: The fused kernel reads the resident columns from the device pool (the ring slot's are not filled).
     reads_pool = True
 
@@ -100,7 +99,6 @@ class GatheredAttender:
 
     def __init__(self, device: torch.device, impl: str | None = None):
         self.attention = SparseAttention(device, impl)
-        self.name = self.attention.kind
         self._batch_rows: torch.Tensor | None = None
 
     def begin(self, plan, ring) -> GatheredAttender:

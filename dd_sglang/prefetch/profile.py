@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dd_sglang.config import ExperimentalSection, choices
 from dd_sglang.kernels import native as native_kernel
 
 #: Query positions a row can have (the real one and at most one riding speculated token).
@@ -64,10 +65,18 @@ class DeviceProfile:
     source: str
     attender: str
 
+    def __post_init__(self) -> None:
+        for field, value, allowed in (("source", self.source, SOURCES), ("attender", self.attender, ATTENDERS)):
+            if value not in allowed:
+                raise ValueError(f"DeviceProfile.{field} must be one of {list(allowed)}, got {value!r}")
+
     def describe(self) -> str:
         """One line for the start-up log."""
         return f"{self.name} (chooser {self.chooser}, source {self.source}, attender {self.attender})"
 
+
+#: The source each ``experimental.transfer`` value other than ``auto`` asks for.
+_TRANSFER_SOURCE = {"worker": "copy_ahead", "inline": "copy_inline", "in_place": "in_place"}
 
 CPU = DeviceProfile("cpu", "host_sync", "in_place", "fused_c")
 GPU = DeviceProfile("gpu", "spec_host", "copy_ahead", "flashinfer")
@@ -102,14 +111,20 @@ def resolve_profile(device: torch.device, transfer: str, native: bool, fused_fit
         :data:`CPU` or :data:`GPU`, or a copy renamed ``cpu+...`` where a switch or the host changed a stage:
         without the C kernel (``experimental.kernel: torch``, or none built) or a model the fused
         attention does not take, a CPU runs ``torch`` and copies inline.
+
+    Raises:
+        ValueError: ``transfer`` is not one of the schema's values (the message names them).
     """
+    allowed = choices(ExperimentalSection, "transfer")
+    if transfer not in allowed:
+        raise ValueError(f"experimental.transfer must be one of {list(allowed)}, got {transfer!r}")
     base = GPU if torch.device(device).type == "cuda" else CPU
     attender, source = base.attender, base.source
     changed = []
     if base is CPU and not (native and fused_fits and host_contiguous):
         attender, source = "torch", "copy_inline"
         changed.append("kernel=torch" if not native else "attender=torch")
-    wanted = {"auto": source, "worker": "copy_ahead", "inline": "copy_inline", "in_place": "in_place"}[transfer]
+    wanted = _TRANSFER_SOURCE.get(transfer, source)  # auto: the profile's own
     if wanted == "in_place" and attender != "fused_c":
         wanted = "copy_inline"
     if wanted != source:

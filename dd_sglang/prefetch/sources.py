@@ -48,6 +48,8 @@ class RingCopies:
         self.tally = tally
         #: The C row copies serve the fixed rows (a CPU ring with the C kernel, a contiguous host tier).
         self.c_rows = gather.native and host.k.is_contiguous()
+        #: Bytes of one (token, KV head)'s K and V in the host tier.
+        self.kv_row_bytes = 2 * host.k.shape[3] * host.k.element_size()
         self._slot: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = self.ring.slot
         self._done: Callable[[int], None] = _nothing
 
@@ -120,7 +122,7 @@ class RingCopies:
             kv = kv.to(slot_k.device, slot_k.dtype, non_blocking=True)
             slot_k[where[0], where[1], where[2]] = kv[0]
             slot_v[where[0], where[1], where[2]] = kv[1]
-            self.tally.copied += 2 * int(src.numel()) * self.host.k.shape[3] * self.host.k.element_size()
+            self.tally.copied += int(src.numel()) * self.kv_row_bytes
         if not sampled:
             return None
         attended = plan.fixed.slots[layer][: plan.n_ahead].clone()
@@ -164,7 +166,7 @@ class InPlaceReads:
         #: step copies into the ring.
         self.table: torch.Tensor | None = None
         self.rows_read = 0  # host rows (K or V, per KV head) the step's fixed rows read in place, per layer
-        self._row_bytes = 2 * host.k.shape[3] * host.k.element_size()  # K and V of one (token, KV head)
+        self._row_bytes = copies.kv_row_bytes
 
     @property
     def ring(self):
