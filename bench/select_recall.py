@@ -16,6 +16,12 @@ which stay resident). Against it:
   the ``rerank x k``-th best score, i.e. the blocks a scan in bound order must read before it can
   stop with the exact top ``rerank x k``.
 
+* ``emulated B-bit m``: the same pipeline written here in plain PyTorch (not the kernel), with the
+  index's keys quantised to ``B`` bits (per token and KV head, absmax / (2^(B-1) - 1), round half to
+  even; the query to int8 as the kernel does) and ``m`` candidates re-ranked exactly: what a lower-bit
+  index would select. ``emulated 8-bit 512`` (the preset's ``rerank x k``) is the control: it should match ``full_scan``'s recall.
+  A 4-bit index reads half the int8 index's bytes (``index_read`` 0.5 plus the scales).
+
 ``index_read``: the fraction of the full scan's index bytes a selection reads: the block means
 (1/16 of the index, read only when the row has more blocks than the budget) and the index rows
 of the kept candidates, counted per row (the union over
@@ -98,8 +104,34 @@ def _read(q8: tuple[torch.Tensor, torch.Tensor], idx: QuantKeyIndex, layer: int,
     return (blocks.numel() + int(keep[pos // BLOCK - blocks[0]].sum())) / (hi - lo)
 
 
+def _emulated(qq: torch.Tensor, keys: torch.Tensor, bits: int, m: int, k: int) -> torch.Tensor:
+    """The kernel's pipeline (``cpu_select.c`` header, steps 1-7) in plain PyTorch over a ``bits``-bit key
+    index: ``qq [Hkv, G, D]``, ``keys [C, Hkv, D]`` float32 (the host tier's bf16 values); the chosen
+    candidate indices ``[Hkv, k]``."""
+    d = qq.shape[-1]
+    scale = d**-0.5
+    top = 2 ** (bits - 1) - 1
+    ks = keys.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top  # [C, Hkv, 1]
+    kq = torch.round(keys / ks)
+    qs = qq.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127  # [Hkv, G, 1]
+    qi = torch.round(qq / qs)
+    a = torch.einsum("hgd,chd->hgc", qi, kq) * ks[:, :, 0].T[:, None, :] * qs * scale  # [Hkv, G, C]
+    z = a.logsumexp(-1, keepdim=True)
+    cand = (a - z).amax(1).topk(min(m, a.shape[-1]), -1).indices  # [Hkv, m]
+    out = []
+    for h in range(qq.shape[0]):
+        c = cand[h]
+        taken = (a[h][:, c] - z[h]).exp().sum(-1).clamp(max=1.0)  # [G]: approximate mass of the m
+        e = qq[h] @ keys[c, h].T * scale  # [G, m] exact logits
+        rest = torch.where(taken >= 1.0, torch.full_like(taken, -math.inf), z[h, :, 0] + torch.log1p(-taken))
+        zz = torch.logaddexp(e.logsumexp(-1), rest)
+        out.append(c[(e - zz[:, None]).amax(0).topk(k).indices])
+    return torch.stack(out)
+
+
 @torch.no_grad()
-def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, model, tok) -> dict:
+def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, model, tok,
+        emulate: list[tuple[int, int]] = ()) -> dict:  # fmt: skip
     """Recall per method at context ``n_tokens`` (module docstring)."""
     from transformers import DynamicCache
 
@@ -147,6 +179,13 @@ def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, mo
             bound_reads.append(_bound_read(qq, keys, score, m))
             q8 = qq.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
             qint = ((qq / q8).round(), q8)
+            for bits, em in emulate:
+                name = f"emulated {bits}-bit {em}"
+                got = _emulated(qq, keys, bits, em, k) + lo
+                per_layer = recall.setdefault(name, [[] for _ in range(n_layers)])[layer]
+                for h in range(hkv):
+                    per_layer.append(len(set(got[h].tolist()) & set(ref[h].tolist())) / k)
+                reads.setdefault(name, []).append((bits / 8 * d + 4) / (d + 4))
             for name, pages in methods.items():
                 got = chosen[name][layer, 0]
                 per_layer = recall.setdefault(name, [[] for _ in range(n_layers)])[layer]
@@ -165,8 +204,9 @@ def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, mo
             "worst_layer": min(range(n_layers), key=lambda i: sum(per_layer[i])),
             "per_layer": [round(sum(x) / len(x), 4) for x in per_layer],
             "index_read": round(sum(reads[name]) / len(reads[name]), 4),
-            "select_ms_all_layers": round(1000 * min(seconds[name]), 2),
         }
+        if name in seconds:  # the kernel's arms (the emulated ones are plain PyTorch, not timed)
+            out["methods"][name]["select_ms_all_layers"] = round(1000 * min(seconds[name]), 2)
     return out
 
 
@@ -179,8 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--yarn", type=float, default=None,
                     help="YaRN RoPE factor for contexts past SmolLM2's 8,192 (e.g. 2 for 16k, 4 for 32k)")
+    ap.add_argument("--emulate", nargs="*", default=[], metavar="BITSxM",
+                    help="emulated lower-bit index arms, e.g. 4x512 4x1024 8x512 (module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        emulate = [tuple(int(x) for x in e.split("x")) for e in args.emulate]
+    except ValueError:
+        emulate = [()]
+    if any(len(e) != 2 or not 2 <= e[0] <= 8 or e[1] < args.k for e in emulate):
+        ap.error(f"--emulate: each must be BITSxM with BITS in [2, 8] and M >= --k ({args.k}); got {args.emulate}")
     from bench.cli import check_ranges
 
     check_ranges(ap, args, (("k", 1, 4096), ("steps", 1, 1000), ("rerank", 1.0, 64.0)))
@@ -196,13 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(yarn=args.yarn)
     t0 = time.time()
     out = {"bench": "select_recall", "yarn": args.yarn,
-           "runs": [run(n, args.k, args.rerank, args.budgets, args.steps, model, tok) for n in args.tokens]}  # fmt: skip
+           "runs": [run(n, args.k, args.rerank, args.budgets, args.steps, model, tok, emulate) for n in args.tokens]}  # fmt: skip
     out["seconds"] = round(time.time() - t0, 1)
     for r in out["runs"]:
         print(r["tokens"], "exact bound scan reads", r["exact_bound_scan_blocks_read"], "of the blocks")
         for name, v in r["methods"].items():
             print(f"  {name:16s} recall {v['recall_vs_exact']['mean']:.4f} ({v['of_full_scan']:.4f} of full) "
-                  f"index read {v['index_read']:.3f}  {v['select_ms_all_layers']} ms")  # fmt: skip
+                  f"index read {v['index_read']:.3f}  {v.get('select_ms_all_layers', '-')} ms")  # fmt: skip
     if args.out:
         from bench.cli import write_result
 

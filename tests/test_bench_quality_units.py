@@ -379,3 +379,41 @@ def test_ruler_extend_refuses_a_result_it_cannot_grow(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["--lengths", "4096", "--max-gen-toks", "24", "--samples", "5", "--extend", str(path), *extra])
         assert e.value.code == 2 and needle in capsys.readouterr().err, extra
+
+
+def test_select_recall_emulation_reranking_everything_is_the_exact_top_k():
+    """``bench.select_recall``'s emulated arms: when every candidate is re-ranked exactly (m = C), the
+    pipeline returns the exact top-k of the float keys whatever the index's bits (its approximate
+    normaliser then covers nothing), computed here as a plain softmax over all candidates."""
+    from bench.select_recall import _emulated
+
+    g = torch.Generator().manual_seed(3)
+    q, keys = torch.randn(3, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    a = torch.einsum("hgd,chd->hgc", q, keys) / 8
+    ref = (a - a.logsumexp(-1, keepdim=True)).amax(1).topk(32).indices
+    for bits in (2, 4, 8):
+        got = _emulated(q, keys, bits, 300, 32)
+        assert [sorted(x) for x in got.tolist()] == [sorted(x) for x in ref.tolist()]
+
+
+def test_select_recall_emulation_at_8_bits_chooses_what_the_c_kernel_chooses():
+    """At 8 bits the emulation (plain PyTorch in the bench) and the CPU preset's C kernel choose the
+    same 32 of 1,000 candidates per KV head on random keys with a shared offset (64 re-ranked)."""
+    from bench.select_recall import _emulated
+    from dd_sglang.kernels import native
+    from dd_sglang.prefetch.index import QuantKeyIndex
+    from dd_sglang.prefetch.scoring import row_blocks
+
+    if not native.available():
+        pytest.skip(f"no CPU selection kernel here: {native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(5)
+    n, hkv, d = 1024, 3, 64
+    host_k = (torch.randn(1, n, hkv, d, generator=g) + torch.randn(1, 1, hkv, d, generator=g)).to(torch.bfloat16)
+    q = torch.randn(1, 1, hkv * 3, d, generator=g)
+    idx = QuantKeyIndex(host_k, native=True)
+    slots = torch.arange(n)
+    idx.update(slots, 0, n)
+    rows = row_blocks([slots], [0], [n], [torch.arange(0)])
+    got = native.spec_host_select(q, *rows.tokens, idx.q8, idx.scale, host_k, 32, 64, d**-0.5)[0][0, 0]
+    mine = _emulated(q[0, 0].view(hkv, 3, d), host_k[0].float(), 8, 64, 32)
+    assert [sorted(x) for x in got.tolist()] == [sorted(x) for x in mine.tolist()]
