@@ -19,7 +19,8 @@ which stay resident). Against it:
 * ``emulated B-bit m``: the same pipeline written here in plain PyTorch (not the kernel), with the
   index's keys quantised to ``B`` bits (per token and KV head, absmax / (2^(B-1) - 1), round half to
   even; the query to int8 as the kernel does) and ``m`` candidates re-ranked exactly: what a lower-bit
-  index would select. ``emulated 8-bit 512`` (the preset's ``rerank x k``) is the control: it should match ``full_scan``'s recall.
+  index would select. ``emulated 8-bit 512`` (the preset's ``rerank x k``) is the control: it
+  should match ``full_scan``'s recall.
   A 4-bit index reads half the int8 index's bytes (``index_read`` 0.5 plus the scales).
 
 ``index_read``: the fraction of the full scan's index bytes a selection reads: the block means
@@ -104,17 +105,21 @@ def _read(q8: tuple[torch.Tensor, torch.Tensor], idx: QuantKeyIndex, layer: int,
     return (blocks.numel() + int(keep[pos // BLOCK - blocks[0]].sum())) / (hi - lo)
 
 
+def _quantise(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` float32 as integers in ``[-top, top]`` (values, float32) and the scale of each
+    vector ``[..., 1]``: absmax / ``top``, round half to even, as the kernel quantises keys and queries."""
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+    return torch.round(x / s), s
+
+
 def _emulated(qq: torch.Tensor, keys: torch.Tensor, bits: int, m: int, k: int) -> torch.Tensor:
     """The kernel's pipeline (``cpu_select.c`` header, steps 1-7) in plain PyTorch over a ``bits``-bit key
     index: ``qq [Hkv, G, D]``, ``keys [C, Hkv, D]`` float32 (the host tier's bf16 values); the chosen
     candidate indices ``[Hkv, k]``."""
     d = qq.shape[-1]
     scale = d**-0.5
-    top = 2 ** (bits - 1) - 1
-    ks = keys.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top  # [C, Hkv, 1]
-    kq = torch.round(keys / ks)
-    qs = qq.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127  # [Hkv, G, 1]
-    qi = torch.round(qq / qs)
+    kq, ks = _quantise(keys, 2 ** (bits - 1) - 1)  # ks [C, Hkv, 1]
+    qi, qs = _quantise(qq, 127)  # qs [Hkv, G, 1]
     a = torch.einsum("hgd,chd->hgc", qi, kq) * ks[:, :, 0].T[:, None, :] * qs * scale  # [Hkv, G, C]
     z = a.logsumexp(-1, keepdim=True)
     cand = (a - z).amax(1).topk(min(m, a.shape[-1]), -1).indices  # [Hkv, m]
@@ -177,8 +182,7 @@ def run(n_tokens: int, k: int, rerank: float, budgets: list[int], steps: int, mo
             ref, score = _exact_top(qq, keys, k)
             ref = ref + lo
             bound_reads.append(_bound_read(qq, keys, score, m))
-            q8 = qq.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-            qint = ((qq / q8).round(), q8)
+            qint = _quantise(qq, 127)
             for bits, em in emulate:
                 name = f"emulated {bits}-bit {em}"
                 got = _emulated(qq, keys, bits, em, k) + lo
