@@ -57,9 +57,10 @@ CONFIGS = {
     "top_k_4096": {"dd_top_k": 4096},
     "top_k_8192": {"dd_top_k": 8192},
 }
-#: Tasks whose data lm-eval generates offline (DESIGN.md: the essay and QA tasks download text).
-TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt",
-         "ruler_cwe", "ruler_fwe")  # fmt: skip
+#: Tasks whose data lm-eval generates offline (DESIGN.md: the essay and QA tasks download text;
+#: ``niah_single_2`` and ``niah_multikey_1`` are essay tasks, ``prepare_niah.get_haystack("essay")``
+#: loads a Hugging Face dataset).
+TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 #: Floor tasks run once, dense, at this length (``--floor``).
 FLOOR_TASKS, FLOOR_LENGTH = ("niah_multikey_2", "ruler_vt"), 4096
 
@@ -114,6 +115,22 @@ class FanOutCompletions:
         return [self.answers[(self.current, ctx)] for ctx, _ in args]
 
 
+def no_nltk_downloads() -> None:
+    """Keep lm-eval's RULER module from downloading at run time: importing it
+    (``lm_eval/tasks/ruler/prepare_niah.py``) calls ``nltk.download("punkt_tab")`` when that
+    tokenizer is not installed, which reaches the network. Only the essay tasks, which
+    :data:`TASKS` leaves out, split sentences with it, so ``nltk.download`` here returns False
+    (NLTK's own return for a failed download) and logs what it skipped. Called before every
+    import of ``lm_eval.tasks.ruler``."""
+    import nltk
+
+    def skipped(info_or_id=None, *args, **kwargs) -> bool:
+        logging.getLogger(__name__).info("nltk.download(%r) skipped: bench.ruler downloads nothing", info_or_id)
+        return False
+
+    nltk.download = skipped
+
+
 def niah_single_1_spec(samples: int) -> dict:
     """lm-eval's ``niah_single_1`` task config with its data generated for ``samples`` samples only.
 
@@ -126,6 +143,7 @@ def niah_single_1_spec(samples: int) -> dict:
     are the first ``samples`` of lm-eval's 500 (``tests/test_bench_quality_units.py`` checks it).
     A dict spec, as ``simple_evaluate`` takes it.
     """
+    no_nltk_downloads()
     from lm_eval.tasks._yaml_loader import load_yaml
     from lm_eval.tasks.ruler import niah_utils as nu
 
@@ -147,6 +165,7 @@ def niah_single_1_spec(samples: int) -> dict:
 def _ruler_dir() -> Path:
     """lm-eval's RULER task folder: the one a ``TaskManager`` here indexes (every task of :data:`TASKS`
     is there; lm-eval's default index reads all of its ~28,000 task YAML files, ~7 s a call here)."""
+    no_nltk_downloads()
     from lm_eval.tasks.ruler import common_utils
 
     return Path(common_utils.__file__).parent
@@ -169,6 +188,7 @@ def run_task(lm: FanOutCompletions, tokenizer: str, task: str, length: int, samp
     Raises:
         RuntimeError: lm-eval returned no sample of ``task``.
     """
+    no_nltk_downloads()
     import lm_eval
     from lm_eval.tasks import TaskManager
 

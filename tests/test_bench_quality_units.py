@@ -214,10 +214,36 @@ def test_set_overrides_are_dotted_preset_keys_on_the_bench_preset():
         parse_sets(["prefetch.rerank=4", "prefetch.rerank=2"])
 
 
+def test_bench_ruler_downloads_nothing(monkeypatch):
+    """bench.ruler's tasks are generated offline: none is an essay task (whose haystack is a Hugging Face
+    dataset), and lm-eval's import-time ``nltk.download("punkt_tab")`` is skipped without a connection."""
+    import urllib.request
+
+    import nltk
+
+    from bench.ruler import TASKS, no_nltk_downloads
+
+    assert not {"niah_single_2", "niah_single_3", "niah_multikey_1"} & set(TASKS)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"bench.ruler reached the network: {args[:1]}")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setattr(nltk, "download", nltk.download)  # restored after the test
+    no_nltk_downloads()
+    assert nltk.download("punkt_tab") is False
+
+
 def test_ruler_spec_generates_the_first_samples_of_lm_evals_own_task(model_path, monkeypatch):
     """bench.ruler's niah_single_1 calls lm-eval's generator with that task's own arguments but
     ``num_samples``, and its samples are lm-eval's first ones, field for field. (lm-eval's 500 cost
     ~20 s here: its call is cut to 2 samples too, and the arguments of both calls compared.)"""
+    import nltk
+
+    from bench.ruler import no_nltk_downloads
+
+    monkeypatch.setattr(nltk, "download", nltk.download)  # restored after the test
+    no_nltk_downloads()
     from lm_eval.tasks.ruler import niah_utils
 
     from bench.ruler import niah_single_1_spec
