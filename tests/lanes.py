@@ -11,8 +11,8 @@ boots (``tests/conftest.py``) only the servers its own lane's tests use:
 * lane 0: the session's dense server, the ``dualdecoder`` package's server and every
   server-free module (run while those two start up);
 * lane 1 (:data:`LANE_1`): the reliability package's server, the router's workers, the
-  launcher watchdog's SGLang, ``test_config.py``'s SGLang-importing launcher runs and five
-  slow server-free modules (run while the reliability server starts up). Nothing on lane 1 uses
+  launcher watchdog's SGLang, ``test_config.py``'s SGLang-importing launcher runs and eleven
+  slower server-free modules (run while the reliability server starts up). Nothing on lane 1 uses
   the dense server.
 
 :class:`LaneScheduling` (returned from ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``)
