@@ -9,7 +9,7 @@ depend on which requests share a batch. So the split is static, by module, and e
 boots (``tests/conftest.py``) only the servers its own lane's tests use:
 
 * lane 0: the session's dense server, the ``dualdecoder`` package's server and every
-  server-free module (run while those two start up);
+  other server-free module (run while those two start up);
 * lane 1 (:data:`LANE_1`): the reliability package's server, the router's workers, the
   launcher watchdog's SGLang, ``test_config.py``'s SGLang-importing launcher runs and eleven
   slower server-free modules (run while the reliability server starts up). Nothing on lane 1 uses
