@@ -240,13 +240,11 @@ def test_ruler_spec_generates_the_first_samples_of_lm_evals_own_task(model_path,
     ~20 s here: its call is cut to 2 samples too, and the arguments of both calls compared.)"""
     import nltk
 
-    from bench.ruler import no_nltk_downloads
+    from bench.ruler import niah_single_1_spec, no_nltk_downloads
 
     monkeypatch.setattr(nltk, "download", nltk.download)  # restored after the test
     no_nltk_downloads()
     from lm_eval.tasks.ruler import niah_utils
-
-    from bench.ruler import niah_single_1_spec
 
     real, calls = niah_utils.generate_samples, []
 

@@ -69,13 +69,11 @@ def exact_top_k(q: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor, k: int,
     return score.topk(k, dim=-1).indices
 
 
-def row_bytes(rows: torch.Tensor, as_set: bool = True):
-    """The bytes of each row of ``rows`` (``[n, D]``, any dtype): a set (or, ``as_set=False``, a list).
-    The rows attention read are copies of stored rows, so a stored row was read exactly when its bytes
-    are among theirs: one set lookup per row, where an ``[k, m, D]`` comparison took ~5 s a test here."""
-    flat = rows.contiguous().view(torch.uint8).view(rows.shape[0], -1).numpy()
-    out = [r.tobytes() for r in flat]
-    return set(out) if as_set else out
+def row_bytes(rows: torch.Tensor) -> list[bytes]:
+    """The bytes of each row of ``rows`` (``[n, D]``, any dtype). The rows attention read are copies of
+    stored rows, so a stored row was read exactly when its bytes are among theirs: one set lookup per
+    row, where an ``[k, m, D]`` comparison took ~5 s a test here."""
+    return [r.tobytes() for r in rows.contiguous().view(torch.uint8).view(rows.shape[0], -1).numpy()]
 
 
 def recall_by_layer(folder: Path) -> tuple[list[float], int]:
@@ -102,8 +100,8 @@ def recall_by_layer(folder: Path) -> tuple[list[float], int]:
             assert k <= read.shape[1] <= k + RESIDENT_BOUND  # the critical set and the resident set, no more
             for h in range(read.shape[0]):
                 want = keys[layer][top[h], h]  # [k, D]: the stored rows, compared exactly (by their bytes)
-                got = row_bytes(read[h])
-                held[layer] += sum(row in got for row in row_bytes(want, as_set=False))
+                got = set(row_bytes(read[h]))
+                held[layer] += sum(row in got for row in row_bytes(want))
                 total[layer] += k
     assert all(total), "a layer was never traced"
     return [h / t for h, t in zip(held, total, strict=True)], len(files)
