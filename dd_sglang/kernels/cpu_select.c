@@ -1,7 +1,7 @@
 /* dd_sglang CPU kernels: the spec_host selector's whole pipeline, one (layer, row) per task
  * (dd_spec_host_select, dd_spec_host_select_par), the sampled hit-rate measurement
- * (dd_measure) and the ring row copies (dd_gather_rows, dd_copy_rows). Compiled at first use by
- * dd_sglang/kernels/native.py (cc -O3 -march=native -fopenmp) and called through ctypes;
+ * (dd_measure) and the ring row copies (dd_gather_rows, dd_gather_sets, dd_copy_rows).
+ * Compiled at first use by dd_sglang/kernels/native.py (cc -O3 -march=native -fopenmp) and called through ctypes;
  * the parallel entry points run on the OpenMP threads of the libgomp PyTorch loaded.
  *
  * Per task, the same arithmetic as SpecHostSelector.score_layers + Selector.select_layers
@@ -129,32 +129,30 @@ static void logits16(const int8_t *const *rows, const float (*ks)[16], int cnt, 
 
 #if defined(__AVX512VNNI__)
 /* logits16 with AVX-512 VNNI (vpdpbusd: 64 byte products a instruction, no int8 -> int16
- * widening), for D a multiple of 64. vpdpbusd multiplies unsigned by signed bytes, so the
- * queries come biased, qu = q + 128 in [1, 255], and q . k = qu . k - 128 sum(k); sum(k) is one
- * more vpdpbusd against ones per key row. Every product and sum is an exact integer, as in
- * logits16. */
-static void logits16_vnni(const int8_t *const *rows, const float (*ks)[16], int cnt, int H, int G, int D,
-                          const uint8_t (*qu)[MAXD], const float *qsc, float *a, int64_t n, int c0) {
+ * widening), for D a multiple of 64. vpdpbusd multiplies unsigned by signed bytes, so the keys
+ * are read biased, k ^ 0x80 = k + 128 in [1, 255] as unsigned, against the signed queries:
+ * q . k = (k + 128) . q - 128 sum(q), and sum(q) is one integer per query (the query-biased form
+ * needed sum(k): one more vpdpbusd and transpose tree per key row). Every product and sum is an
+ * exact integer, as in logits16. Inlined where D is a constant (64, 128): the dot loop unrolls and
+ * the 16 partial sums stay in registers. */
+static inline __attribute__((always_inline)) void
+logits16_vnni(const int8_t *const *rows, const float (*ks)[16], int cnt, int H, int G, int D, const int8_t (*qs)[MAXD],
+              const int32_t *qsum, const float *qsc, float *a, int64_t n, int c0) {
     __mmask16 keep = (__mmask16)((1u << cnt) - 1u);
-    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int h = 0; h < H; h++) {
-        __m512i acc[16];
-        for (int i = 0; i < 16; i++) {
-            const int8_t *kr = rows[i] + h * D;
-            __m512i sum = _mm512_setzero_si512();
-            for (int d = 0; d < D; d += 64) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(kr + d));
-            acc[i] = sum;
-        }
-        __m512i bias = _mm512_slli_epi32(tree16(acc), 7); /* 128 sum(k) of each of the 16 keys */
         for (int j = 0; j < G; j++) {
-            const uint8_t *qj = qu[h * G + j];
+            const int8_t *qj = qs[h * G + j];
+            __m512i acc[16];
             for (int i = 0; i < 16; i++) {
                 const int8_t *kr = rows[i] + h * D;
                 __m512i sum = _mm512_setzero_si512();
                 for (int d = 0; d < D; d += 64)
-                    sum = _mm512_dpbusd_epi32(sum, _mm512_load_si512(qj + d), _mm512_loadu_si512(kr + d));
+                    sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(_mm512_loadu_si512(kr + d), flip),
+                                              _mm512_load_si512(qj + d));
                 acc[i] = sum;
             }
+            __m512i bias = _mm512_set1_epi32(128 * qsum[h * G + j]); /* (k + 128) . q = k . q + 128 sum(q) */
             __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(tree16(acc), bias));
             f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_loadu_ps(ks[h])), _mm512_set1_ps(qsc[h * G + j]));
             _mm512_mask_storeu_ps(a + (int64_t)(h * G + j) * n + c0, keep, f);
@@ -296,6 +294,29 @@ static int top_bin(const int32_t *count, int bins, int *want) {
     return b;
 }
 
+/* dst[0..w) = the keys of src[0..n) whose bits (key >> shift) & mask equal want, in order; returns
+ * w. Branch-free: with AVX-512, 16 keys a compare and a compress into a register, then a masked
+ * store of the kept lanes (the scalar loop's store address waited on the previous key's compare:
+ * a quarter of kth_largest in `perf annotate`). Writes only within dst[0..n). */
+static int compact_bits(const uint32_t *src, int n, uint32_t *dst, int shift, uint32_t mask, uint32_t want) {
+    int w = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i vm = _mm512_set1_epi32((int)mask), vw = _mm512_set1_epi32((int)want);
+    for (; i + 16 <= n; i += 16) {
+        __m512i x = _mm512_loadu_si512(src + i);
+        __mmask16 k = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)shift), vm), vw);
+        int t = __builtin_popcount(k);
+        _mm512_mask_storeu_epi32(dst + w, (__mmask16)((1u << t) - 1u), _mm512_maskz_compress_epi32(k, x));
+        w += t;
+    }
+#endif
+    for (; i < n; i++) {
+        dst[w] = src[i];
+        w += ((src[i] >> shift) & mask) == want;
+    }
+    return w;
+}
+
 /* The m-th largest of v[0..n) (1 <= m <= n), by a radix select on order-preserving keys, 11 +
  * 11 + 10 bits a pass. Pass 1 counts every key's top bits; passes 2 and 3 first copy out the keys
  * that share the bits found so far (a branch-free compaction), then count those. Nothing
@@ -315,19 +336,11 @@ static float kth_largest(const float *v, int n, int m, uint32_t *scratch) {
     }
     for (int b = 0; b < 2048; b++) count[b] = c4[0][b] + c4[1][b] + c4[2][b] + c4[3][b];
     uint32_t b1 = (uint32_t)top_bin(count, 2048, &want);
-    int n2 = 0;
-    for (int i = 0; i < n; i++) {
-        kb[n2] = ka[i];
-        n2 += (ka[i] >> 21) == b1;
-    }
+    int n2 = compact_bits(ka, n, kb, 21, 2047u, b1);
     memset(count, 0, sizeof(int32_t) * 2048);
     for (int i = 0; i < n2; i++) count[(kb[i] >> 10) & 2047u]++;
     uint32_t b2 = (uint32_t)top_bin(count, 2048, &want);
-    int n3 = 0;
-    for (int i = 0; i < n2; i++) {
-        ka[n3] = kb[i];
-        n3 += ((kb[i] >> 10) & 2047u) == b2;
-    }
+    int n3 = compact_bits(kb, n2, ka, 10, 2047u, b2);
     memset(count, 0, sizeof(int32_t) * 1024);
     for (int i = 0; i < n3; i++) count[ka[i] & 1023u]++;
     uint32_t b3 = (uint32_t)top_bin(count, 1024, &want);
@@ -460,6 +473,53 @@ static void group_scores(const float *a, int64_t n, int G, const float *z, float
 }
 #endif
 
+#if defined(__AVX512F__)
+/* tree16 on float lanes: lane i of the result is the sum of v[i]'s 16 lanes. */
+static inline __m512 tree16_ps(const __m512 *v) {
+    __m512 t[8], x[4];
+    for (int u = 0; u < 8; u++)
+        t[u] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * u], v[2 * u + 1]), _mm512_unpackhi_ps(v[2 * u], v[2 * u + 1]));
+    for (int u = 0; u < 4; u++)
+        x[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * u]), _mm512_castps_pd(t[2 * u + 1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * u]), _mm512_castps_pd(t[2 * u + 1]))));
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+/* Step 5 for candidates [i0, i0 + cnt) of sc (cnt <= 16): their exact logits against the G
+ * queries, e[j mm + i] = scale (q_j . k_i). The 16 keys are widened to float32 once (kf), each
+ * query's 16 dot products are accumulated in 16 lanes apiece and summed by tree16_ps into one
+ * vector (the one-key-at-a-time loop kept G accumulators in memory and reduced each alone: its
+ * stores and reductions were most of select_head in `perf annotate`). */
+static void exact16(const char *keys_l, int64_t key_row, int64_t head_off, int key_bf16, const int64_t *srow,
+                    const scored *sc, int i0, int cnt, const float (*qf)[MAXD], int G, int D, float scale, float *e,
+                    int mm) {
+    float kf[16][MAXD] __attribute__((aligned(64)));
+    const int esz = key_bf16 ? 2 : 4;
+    for (int i = 0; i < 16; i++) {
+        const char *kr = keys_l + (srow[sc[i0 + (i < cnt ? i : 0)].i] * key_row + head_off) * esz;
+        for (int d = 0; d < D; d += 16) {
+            __m512 x = key_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(kr + 2 * d))), 16))
+                                : _mm512_loadu_ps((const float *)kr + d);
+            _mm512_store_ps(kf[i] + d, x);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cnt) - 1u);
+    for (int j = 0; j < G; j++) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) {
+            __m512 sum = _mm512_mul_ps(_mm512_load_ps(kf[i]), _mm512_loadu_ps(qf[j]));
+            for (int d = 16; d < D; d += 16)
+                sum = _mm512_fmadd_ps(_mm512_load_ps(kf[i] + d), _mm512_loadu_ps(qf[j] + d), sum);
+            acc[i] = sum;
+        }
+        _mm512_mask_storeu_ps(e + (int64_t)j * mm + i0, keep, _mm512_mul_ps(tree16_ps(acc), _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
 /* Sort u[0..n) ascending: a quicksort (median of three, smaller side first) down to runs of 16,
  * then one insertion sort. Inline compares of plain integers, where qsort calls a comparator
  * per compare (by perf, ~10% of the selection at 8 rows x 4k tokens). */
@@ -550,7 +610,19 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
     for (int i = 0; i < mm; i++) sc[i].i = cpos[sc[i].i];
     /* 5. exact logits of the mm from the host tier's keys */
     const int esz = key_bf16 ? 2 : 4;
-    for (int i = 0; i < mm; i++) {
+    int i0 = 0;
+#if defined(__AVX512F__)
+    if (simd && D % 16 == 0)
+        for (; i0 < mm; i0 += 16) {
+            for (int i = i0 + 16; i < i0 + 32 && i < mm; i++) { /* the next 16 keys, every line */
+                const char *nx = keys_l + (srow[sc[i].i] * key_row + head_off) * esz;
+                for (int b = 0; b < D * esz; b += 64) __builtin_prefetch(nx + b);
+            }
+            exact16(keys_l, key_row, head_off, key_bf16, srow, sc, i0, mm - i0 < 16 ? mm - i0 : 16, qf, G, D, scale, e,
+                    mm);
+        }
+#endif
+    for (int i = i0; i < mm; i++) {
         if (i + 16 < mm) { /* both 64-byte lines of a 64 x bf16 key (more for wider keys) */
             const char *nx = keys_l + (srow[sc[i + 16].i] * key_row + head_off) * esz;
             for (int b = 0; b < D * esz; b += 64) __builtin_prefetch(nx + b);
@@ -595,11 +667,13 @@ static void select_head(const float *a, int n, const int32_t *cpos, int G, int D
 }
 
 /* A row's H x G selection queries: float32 copies, their int8 versions (absmax / 127, round half
- * to even), the uint8 ones logits16_vnni reads (int8 + 128), and each query's combined scale. */
+ * to even; as int16 for logits16, as int8 with each query's sum for logits16_vnni), and each
+ * query's combined scale. */
 typedef struct {
     int16_t qi[MAXG][MAXD] __attribute__((aligned(64)));
 #ifdef HAVE_LOGITS16_VNNI
-    uint8_t qu[MAXG][MAXD] __attribute__((aligned(64)));
+    int8_t qs[MAXG][MAXD] __attribute__((aligned(64)));
+    int32_t qsum[MAXG];
 #endif
     float qf[MAXG][MAXD] __attribute__((aligned(64)));
     float qsc[MAXG];
@@ -615,10 +689,14 @@ static void quantize_queries(const float *qrow, int HG, int D, float scale, row_
             mx = fabsf(v) > mx ? fabsf(v) : mx;
         }
         float qs = (mx < 1e-12f ? 1e-12f : mx) / 127.0f;
+#ifdef HAVE_LOGITS16_VNNI
+        Q->qsum[j] = 0;
+#endif
         for (int d = 0; d < D; d++) {
             Q->qi[j][d] = (int16_t)nearbyintf(Q->qf[j][d] / qs);
 #ifdef HAVE_LOGITS16_VNNI
-            Q->qu[j][d] = (uint8_t)(Q->qi[j][d] + 128);
+            Q->qs[j][d] = (int8_t)Q->qi[j][d];
+            Q->qsum[j] += Q->qi[j][d];
 #endif
         }
         Q->qsc[j] = qs * scale;
@@ -651,9 +729,15 @@ static void approx_logits(const row_queries *Q, const int64_t *srow, const int32
                     for (int b = 0; b < H * D; b += 64) __builtin_prefetch(nx + b);
                 }
 #ifdef HAVE_LOGITS16_VNNI
-            if (D % 64 == 0)
-                logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, D, (const uint8_t(*)[MAXD])Q->qu, Q->qsc, a,
-                              n, c);
+            if (D == 64) /* a constant head_dim: the dot loop unrolled, the 16 sums kept in registers */
+                logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, 64, (const int8_t(*)[MAXD])Q->qs, Q->qsum,
+                              Q->qsc, a, n, c);
+            else if (D == 128)
+                logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, 128, (const int8_t(*)[MAXD])Q->qs, Q->qsum,
+                              Q->qsc, a, n, c);
+            else if (D % 64 == 0)
+                logits16_vnni(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int8_t(*)[MAXD])Q->qs, Q->qsum,
+                              Q->qsc, a, n, c);
             else
 #endif
                 logits16(rws, (const float(*)[16])ksb, cnt, H, G, D, (const int16_t(*)[MAXD])Q->qi, Q->qsc, a, n,
@@ -1002,6 +1086,31 @@ void dd_gather_rows(const char *src_k, const char *src_v, char *dst_k, char *dst
     }
 }
 
+/* A step's sets chosen at attention time into a CPU ring slot, the row indices computed here (no
+ * index tensors): for set i < n (plan row rows[i]), KV head h < hkv and column c < w, the K and V
+ * rows of host slot slots[i, h, c] (row slots[i, h, c] hkv + h of a layer's [S hkv, row] view) go
+ * to row (rows[i] hkv + h) columns + c0 + c of the slot's [R hkv columns, row] view.
+ * slots [n, hkv, w] int64, rows [n] int64, contiguous and in range (not checked). Split over
+ * `threads` OpenMP threads (the caller passes 1 below GATHER_SERIAL_BYTES). */
+void dd_gather_sets(const char *src_k, const char *src_v, char *dst_k, char *dst_v, const int64_t *slots,
+                    const int64_t *rows, int64_t n, int64_t hkv, int64_t w, int64_t columns, int64_t c0,
+                    int64_t row_bytes, int threads) {
+    const int64_t m = n * hkv * w, hw = hkv * w;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        if (i + 16 < m) { /* scattered host rows: fetch ahead, K and V */
+            const int64_t j = i + 16, s = slots[j] * hkv + (j / w) % hkv;
+            for (int64_t b = 0; b < row_bytes; b += 64)
+                __builtin_prefetch(src_k + s * row_bytes + b), __builtin_prefetch(src_v + s * row_bytes + b);
+        }
+        const int64_t h = (i / w) % hkv, s = slots[i] * hkv + h;
+        const int64_t d = (rows[i / hw] * hkv + h) * columns + c0 + i % w;
+        memcpy(dst_k + d * row_bytes, src_k + s * row_bytes, (size_t)row_bytes);
+        memcpy(dst_v + d * row_bytes, src_v + s * row_bytes, (size_t)row_bytes);
+    }
+}
+
 /* Serial row copy within one buffer pair: row src_rows[i] of src (rows of `row_bytes` from `src`) to
  * row dst_rows[i] of dst, for i in [0, m). For sources whose rows are not evenly packed K/V
  * pairs (a layer's new K or V, a strided view of the fused QKV projection): the caller gives
@@ -1155,20 +1264,6 @@ static inline void kv_row(const void *src, int bf16, int D, float *dst) {
     for (int d = 0; d < D; d++) dst[d] = act_load(src, bf16, d);
 }
 
-#if defined(__AVX512F__)
-/* tree16 on float lanes: lane i of the result is the sum of v[i]'s 16 lanes. */
-static inline __m512 tree16_ps(const __m512 *v) {
-    __m512 t[8], x[4];
-    for (int u = 0; u < 8; u++)
-        t[u] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * u], v[2 * u + 1]), _mm512_unpackhi_ps(v[2 * u], v[2 * u + 1]));
-    for (int u = 0; u < 4; u++)
-        x[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * u]), _mm512_castps_pd(t[2 * u + 1]))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * u]), _mm512_castps_pd(t[2 * u + 1]))));
-    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
-    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
-}
-#endif
 
 /* One (row r, KV head h) task: every query of the row's positions that have an output token
  * (Q = positions x G query vectors) scored against the union of their columns in one pass over

@@ -135,6 +135,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.dd_gather_rows.restype = None
     lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
     lib.dd_copy_rows.restype = None
+    lib.dd_gather_sets.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i]
+    lib.dd_gather_sets.restype = None
     lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, p, p, p, i, p, p,
                                      p, i, i, i]  # fmt: skip
     lib.dd_sparse_attend.restype = ctypes.c_int
