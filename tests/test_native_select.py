@@ -179,6 +179,36 @@ def test_selection_writes_into_given_tensors_and_refuses_bad_ones():
             native.spec_host_select(*args, out=(good, bad))
 
 
+@pytest.mark.parametrize("first_level", [None, 512])
+def test_bound_selection_chooses_the_pytorch_sets_layer_after_layer(first_level, march):
+    """``SpecHostSelector.bind`` (the chooser's per-step form: candidates, outputs and per-layer
+    addresses prepared once, :class:`native.LayerSelection`): layer after layer, each call's sets
+    are PyTorch's for that layer (the full scan) or the unbound C call's (with a first level, which
+    PyTorch has not), though the bound outputs are reused; bad queries are refused by name."""
+    lens = (1472, 2304, 896)  # the candidates (all but the last 128) fill whole 64-slot pages
+    host_k, idx, rows, q = _case(list(lens), 64, torch.bfloat16, seed=41, layers=4, n_keep=5)
+    if first_level is not None:  # the block means of every candidate's block
+        idx = QuantKeyIndex(host_k, native=True, block_means=True)
+        table, _ = rows.tokens
+        for r, n in enumerate(lens):
+            idx.update(table[r][: n - 128], 0, n - 128)
+    k, scale = 96, 0.125
+    sel = make_selector("spec_host", 2.0, native=True, first_level_tokens=first_level)
+    ref = make_selector("spec_host", 2.0) if first_level is None else sel
+    bound = sel.bind(rows, host_k, k, idx, q.shape[2])
+    assert isinstance(bound, native.LayerSelection)
+    for layer in (2, 0, 3, 1):
+        want_pos, want_slots = ref.select(q[layer], rows, host_k[layer], k, scale, idx, layer)
+        got_pos, got_slots = bound(q[layer].float().contiguous(), layer, scale)
+        assert got_pos.shape == (3, 3, k)
+        assert all(_same_sets(got_pos, want_pos)) and all(_same_sets(got_slots, want_slots))
+    for bad in (q[0].bfloat16(), q[0, :2].float(), q[0].float().transpose(0, 1).contiguous().transpose(0, 1)):
+        with pytest.raises(ValueError, match="q must be float32 contiguous"):
+            bound(bad, 0, scale)
+    assert make_selector("spec_host", 2.0).bind(rows, host_k, k, idx, q.shape[2]) is None  # PyTorch: select()
+    assert sel.bind(rows, host_k, 1200, idx, q.shape[2]) is None  # rerank x k covers a row: the exact path
+
+
 def test_next_sets_are_written_in_place_only_for_every_row_in_order():
     """``NextSets.direct``: views of the buffer for every row in order at full width (marked
     filled), None for a subset, another order or a narrower selection."""
@@ -253,6 +283,36 @@ def test_ring_gather_copies_the_same_bytes_as_pytorch(rows, march):
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
     r = torch.arange(4)[rows]
     assert torch.equal(out[0][0][r[0], 1, 7 + 5], hk[1, slots[0, 1, 5], 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ring_gather_copies_sets_to_the_rows_plain_pytorch_names(dtype, march):
+    """``RingGather.copy_sets`` (sets chosen at attention time, row indices built in C): every K and V
+    row lands where a plain loop over (set, KV head, column) puts ``host[slot, head]``, for plan rows
+    out of order, at a column offset; nothing else of the slot changes; the PyTorch path (no C
+    kernel) writes the same bytes; a slot of another dtype or too narrow is refused by name."""
+    from dd_sglang.prefetch.gather import RingGather
+
+    g = torch.Generator().manual_seed(9)
+    hk, hv = (torch.randn(2, 700, 3, 64, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randint(0, 700, (2, 3, 50), generator=g)
+    rows = torch.tensor([3, 1])
+    want_k, want_v = torch.full((4, 3, 64, 64), -1.0).to(dtype), torch.full((4, 3, 64, 64), -1.0).to(dtype)
+    for i, r in enumerate(rows.tolist()):
+        for h in range(3):
+            for c in range(50):
+                want_k[r, h, 9 + c] = hk[1, slots[i, h, c], h]
+                want_v[r, h, 9 + c] = hv[1, slots[i, h, c], h]
+    for use_native in (True, False):
+        gather = RingGather(hk, hv, "cpu", "cpu", native=use_native)
+        kd, vd = torch.full_like(want_k, -1.0), torch.full_like(want_v, -1.0)
+        assert gather.copy_sets(1, slots, kd, vd, rows, 9) == 2 * 2 * 3 * 50 * 64 * hk.element_size()
+        assert torch.equal(kd, want_k) and torch.equal(vd, want_v)
+    kd = torch.zeros(4, 3, 64, 64, dtype=dtype)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        native.gather_sets(hk[1], hv[1], kd.half(), kd.half(), slots, rows, 9)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gather_sets(hk[1], hv[1], kd, kd.clone(), slots, rows, 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -20,7 +20,7 @@ A sampled step also measures the prediction's hit rate and the attended set's re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,20 +51,38 @@ class CriticalSetChooser:
     schedule: object
     tally: object
     events: object
+    #: ``[plan, *bound]``: the plan's sync groups' bound selections (:meth:`Selector.bind`, with the row
+    #: indices of their queries; None: the group calls :meth:`Selector.select`), bound at its first layer.
+    bound: list = field(default_factory=list)
 
     def begin(self, plan) -> None:
         """A new step (or none, ``plan`` None): where its ahead selection runs; no attended sets kept."""
         self.ahead.begin(plan)
         self.probe.attended.clear()
+        self.bound.clear()
+
+    def _bind(self, g, q_heads: int):
+        """Group ``g``'s selection bound for the step, where its rows select with their real query
+        alone (``g.query`` ``[n, 1]``), with those queries' token indices; else None."""
+        if g.query.shape[1] != 1:
+            return None
+        bound = g.selector.bind(g.blocks, self.host.k, g.k, self.indexes.of(g.selector), q_heads)
+        return None if bound is None else (bound, g.query_dev[:, 0].contiguous())
 
     def before_attention(self, plan, layer: int, q3: torch.Tensor, scale: float, source) -> None:
         """The sync groups' sets of ``layer`` from their real queries (``q3``: ``[tokens, Hq, D]``), put
         into ``source``; the verified rows' sets checked against theirs."""
         t0 = time.perf_counter()
-        for g in plan.selection.sync:
-            q = selection_queries(q3, g.query_dev, self.host.k.shape[2]).cpu()
-            _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale, self.indexes.of(g.selector),
-                                         layer)  # fmt: skip
+        sync = plan.selection.sync
+        if not self.bound or self.bound[0] is not plan:
+            self.bound[:] = [plan, *(self._bind(g, q3.shape[1]) for g in sync)]
+        for g, bound in zip(sync, self.bound[1:], strict=True):
+            if bound is not None:  # [n, Hq, D] is [n, Hkv x G, D] grouped by KV head (one query a row)
+                _, slots = bound[0](q3.index_select(0, bound[1]).to("cpu", torch.float32), layer, scale)
+            else:
+                q = selection_queries(q3, g.query_dev, self.host.k.shape[2]).cpu()
+                _, slots = g.selector.select(q, g.blocks, self.host.k[layer], g.k, scale,
+                                             self.indexes.of(g.selector), layer)  # fmt: skip
             source.put(plan, layer, g.rows, slots)
             if g.selector.lookahead:
                 self.events.cold(g.selector.name, int(g.rows.numel()))

@@ -118,6 +118,19 @@ class RingGather:
         """
         return self._copy(layer, src_rows, k_dst, v_dst, rows, c0, width, slot)
 
+    def copy_sets(self, layer: int, slots: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                  rows: torch.Tensor, c0: int, slot: int = 0) -> int:  # fmt: skip
+        """Copy the sets ``slots`` (``[n, Hkv, w]`` int64 host slots of ``layer``) into columns
+        ``[c0, c0 + w)`` of plan rows ``rows`` (``[n]`` int64) of a ring slot: :meth:`copy` of their
+        :func:`flat_rows`, or, with the C kernel on a contiguous host tier and slot of the same dtype,
+        one C call that builds no index (:func:`~dd_sglang.kernels.native.gather_sets`: a set chosen at
+        attention time is copied on the forward thread, every layer). Returns the bytes moved."""
+        hk, hv = self.host_k[layer], self.host_v[layer]
+        if (self.native and k_dst.dtype == hk.dtype and hk.is_contiguous() and hv.is_contiguous()
+                and k_dst.is_contiguous() and v_dst.is_contiguous()):  # fmt: skip
+            return native_kernel.gather_sets(hk, hv, k_dst, v_dst, slots.contiguous(), rows.to(torch.int64), c0)
+        return self.copy(layer, flat_rows(slots), k_dst, v_dst, rows, c0, slots.shape[2], slot)
+
     def _copy_kernel(self, layer, src_rows, k_dst, v_dst, rows, c0, width, slot) -> int:
         """``kernel``: SGLang's transfer kernel reads the pinned host tier from the GPU."""
         d = self.host_k.shape[3]

@@ -167,6 +167,13 @@ class Selector:
         torch.gather(slots, -1, top, out=out[1])
         return out
 
+    def bind(self, rows: RowBlocks, host_k: torch.Tensor, k: int, index, q_heads: int):
+        """A per-step form of :meth:`select` for one group of rows, called layer after layer with
+        the layer's queries (``(q [rows, q_heads, D] float32 contiguous, layer, scale) -> (positions,
+        slots)``, each ``[rows, Hkv, k]``), or None where this selector has none (the caller then
+        calls :meth:`select`). ``host_k``: every layer's ``[layers, S, Hkv, D]``."""
+        return None
+
     def select(
         self, q: torch.Tensor, rows: RowBlocks, host_k: torch.Tensor, k: int, scale: float,
         index: KeyBlockIndex | QuantKeyIndex | None = None, layer: int = 0,
@@ -268,6 +275,18 @@ class SpecHostSelector(Selector):
 
     def _m(self, k: int) -> int:
         return int(-(-self.rerank * k // 1))
+
+    def bind(self, rows, host_k, k, index, q_heads):
+        """The C kernel's selection bound for a step (:class:`~dd_sglang.kernels.native.LayerSelection`:
+        the same sets as :meth:`select`, without its per-call conversions), or None where
+        :meth:`select_layers` would take the PyTorch path."""
+        slots, ok = rows.tokens
+        m = self._m(k)
+        if (not self.native or index is None or k < 1 or m >= slots.shape[-1]
+                or q_heads > native_kernel.MAX_QUERIES or host_k.shape[3] > native_kernel.MAX_HEAD_DIM):
+            return None
+        pages = self._pages(index, slice(0, host_k.shape[0]), m)
+        return native_kernel.LayerSelection(slots, ok, index.q8, index.scale, host_k, k, m, q_heads, pages)
 
     def select_layers(self, q, rows, host_k, k, scale, index, layers, out=None):
         if (not self.native or index is None or self._m(k) >= rows.tokens[0].shape[-1]

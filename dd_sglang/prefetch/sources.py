@@ -107,8 +107,8 @@ class RingCopies:
         """Copy a set chosen at attention time, host slots ``slots`` (``[n, Hkv, w]``), into columns
         ``[n_res, n_res + w)`` of plan rows ``rows`` of the layer's slot (synchronously)."""
         k_slot, v_slot = self.ring.slot(layer)
-        self.tally.copied += self.gather.copy(layer, flat_rows(slots), k_slot, v_slot, rows, plan.layout.n_res,
-                                              slots.shape[2], layer % self.ring.n_slots)  # fmt: skip
+        self.tally.copied += self.gather.copy_sets(layer, slots, k_slot, v_slot, rows, plan.layout.n_res,
+                                                   layer % self.ring.n_slots)  # fmt: skip
 
     def put_verified(self, plan, layer: int, rows: torch.Tensor, v: VerifiedSets, sampled: bool) -> torch.Tensor | None:
         """Copy the verified sets' fetched columns (``v.fetched``, the misses only) of plan rows ``rows``
