@@ -7,7 +7,8 @@ onto 2 MiB transparent huge pages, what the server allocates) against the same d
 :func:`torch.zeros` buffers (4 KiB pages), in one run: the two layouts alternate per round and the
 ratio is taken per round. SmolLM2-135M's geometry (30 layers, 3 KV heads x 3 queries, head_dim 64),
 random keys (seed 0), each request's positions on consecutive host slots as the server lays them
-out, ``k`` 256 and ``rerank`` 2 (the CPU preset), 10 layers a call (the default's chunk).
+out, ``k`` 256 and ``rerank`` 2 (the CPU preset), 10 layers a call (the default's chunk; ``--chunk 1``:
+one layer a call, as ``host_sync`` selects at attention time).
 
 With ``--baseline-rev REV`` the two timed variants are instead this checkout's kernel and REV's
 ``cpu_select.c`` built with the same flags, both on huge pages (``baseline_over_current``).
@@ -52,12 +53,12 @@ def _buffers(rows: int, tokens: int, huge: bool) -> dict:
     return {"keys": keys, "q8": q8, "scale": scale}
 
 
-def _step_seconds(buf: dict, rows: int, tokens: int, k: int, m: int, calls: int) -> float:
-    """Mean seconds of one decode step's selection (every layer, in chunks of :data:`CHUNK`)."""
+def _step_seconds(buf: dict, rows: int, tokens: int, k: int, m: int, calls: int, chunk: int = CHUNK) -> float:
+    """Mean seconds of one decode step's selection (every layer, in calls of ``chunk`` layers)."""
     slots = torch.arange(rows * tokens).view(rows, tokens)
     ok = torch.ones(rows, tokens, dtype=torch.bool)
-    q = torch.randn(CHUNK, rows, HKV * GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1))
-    chunks = [slice(c, c + CHUNK) for c in range(0, LAYERS, CHUNK)]
+    q = torch.randn(chunk, rows, HKV * GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    chunks = [slice(c, c + chunk) for c in range(0, LAYERS, chunk)]
     t0 = time.perf_counter()
     for i in range(calls):
         ls = chunks[i % len(chunks)]
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=30, help="kernel calls per round and layout")
     ap.add_argument("--k", type=int, default=256)
     ap.add_argument("--rerank", type=float, default=2.0)
+    ap.add_argument("--chunk", type=int, default=CHUNK,
+                    help="layers a call: 10, spec_host's next-step selection (the default's chunk); 1, host_sync's "
+                         "selection at attention time, one call a layer")  # fmt: skip
     ap.add_argument("--baseline-rev", default=None, metavar="REV",
                     help="time REV's cpu_select.c (a git revision) against this checkout's, both on huge pages, "
                          "instead of huge against base pages")  # fmt: skip
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--cells must be TOKENSxROWS pairs of positive integers, comma-separated; got {args.cells!r}")
     if args.k < 1 or args.rerank < 1:
         ap.error(f"--k and --rerank must be >= 1, got {args.k} and {args.rerank}")
+    if not 1 <= args.chunk <= LAYERS or LAYERS % args.chunk:
+        ap.error(f"--chunk must divide the model's {LAYERS} layers, got {args.chunk}")
     m = SpecHostSelector(args.rerank)._m(args.k)  # the candidates the server re-ranks
     current = native.build()
     baseline = _baseline_library(args.baseline_rev, ap) if args.baseline_rev else None
@@ -113,14 +119,14 @@ def main(argv: list[str] | None = None) -> int:
             variants = {"current": (huge, current), "baseline": (huge, baseline)}
         for buf, lib in variants.values():  # warm: first touch and the kernel's first call
             native.load(lib)
-            _step_seconds(buf, rows, tokens, args.k, m, 3)
+            _step_seconds(buf, rows, tokens, args.k, m, 3, args.chunk)
         per = {name: [] for name in variants}
         for r in range(args.rounds):
             order = list(variants) if r % 2 == 0 else list(reversed(variants))
             for name in order:
                 buf, lib = variants[name]
                 native.load(lib)
-                per[name].append(_step_seconds(buf, rows, tokens, args.k, m, args.calls))
+                per[name].append(_step_seconds(buf, rows, tokens, args.k, m, args.calls, args.chunk))
         first, second = variants
         ratios = [b / a for a, b in zip(per[first], per[second], strict=True)]
         key = "base_over_huge" if baseline is None else "baseline_over_current"
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "select_kernel", "command": "python -m bench.select_kernel " + " ".join(argv or sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "transparent_huge_pages": transparent_huge_pages()},
-        "settings": {"layers": LAYERS, "kv_heads": HKV, "group": GROUP, "head_dim": HEAD_DIM, "chunk": CHUNK,
+        "settings": {"layers": LAYERS, "kv_heads": HKV, "group": GROUP, "head_dim": HEAD_DIM, "chunk": args.chunk,
                      "k": args.k, "m": m, "rounds": args.rounds, "calls": args.calls,
                      "baseline_rev": args.baseline_rev},
         "cells": cells,

@@ -500,10 +500,11 @@ def test_select_kernel_bench_writes_both_layouts(tmp_path):
 
     if not native.available():
         pytest.skip(f"the C kernel is not built here: {native.unavailable_reason()}")
-    assert main(["--cells", "600x2", "--rounds", "2", "--calls", "3", "--k", "32", "--out", str(tmp_path / "s.json")]) == 0
+    assert main(["--cells", "600x2", "--rounds", "2", "--calls", "3", "--k", "32", "--chunk", "1",
+                 "--out", str(tmp_path / "s.json")]) == 0  # fmt: skip
     out = json.loads((tmp_path / "s.json").read_text())
     (cell,) = out["cells"]
-    assert (cell["tokens"], cell["rows"], out["settings"]["m"]) == (600, 2, 64)
+    assert (cell["tokens"], cell["rows"], out["settings"]["m"], out["settings"]["chunk"]) == (600, 2, 64, 1)
     for name in ("huge_pages", "base_pages"):
         assert len(cell["rounds_ms"][name]) == 2 and all(x > 0 for x in cell["rounds_ms"][name])
     lo, hi = cell["base_over_huge_range"]
@@ -511,7 +512,7 @@ def test_select_kernel_bench_writes_both_layouts(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [(["--cells", "600"], "--cells"), (["--cells", "0x2"], "--cells"),
-                                          (["--k", "0"], "--k and --rerank")])  # fmt: skip
+                                          (["--k", "0"], "--k and --rerank"), (["--chunk", "7"], "--chunk")])  # fmt: skip
 def test_select_kernel_bench_rejects_bad_arguments(argv, needle, capsys):
     from bench.select_kernel import main
 

@@ -123,7 +123,8 @@ def load(path: Path | None = None) -> ctypes.CDLL | None:
 
 
 def _declare_signatures(lib: ctypes.CDLL) -> None:
-    """Set the ctypes argument and result types of every ``dd_`` entry point of ``cpu_select.c``."""
+    """Set the ctypes argument and result types of every ``dd_`` entry point of ``cpu_select.c`` (those
+    added since a bench's ``--baseline-rev`` only where the library has them)."""
     i, p, i64, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     head = [i, i, i, i, i, i, i64, p, p, p, p, p, p, i, i, i, f, p, p, p, p, i]
     lib.dd_spec_host_select.argtypes = [*head, i, i]
@@ -135,8 +136,9 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.dd_gather_rows.restype = None
     lib.dd_copy_rows.argtypes = [p, p, p, p, i64, i64]
     lib.dd_copy_rows.restype = None
-    lib.dd_gather_sets.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i]
-    lib.dd_gather_sets.restype = None
+    if hasattr(lib, "dd_gather_sets"):  # absent from a library built of an older cpu_select.c (--baseline-rev)
+        lib.dd_gather_sets.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i]
+        lib.dd_gather_sets.restype = None
     lib.dd_sparse_attend.argtypes = [i, i, i, i, i, i, i64, p, i64, p, p, p, p, p, i64, p, i, i, f, p, p, p, i, p, p,
                                      p, i, i, i]  # fmt: skip
     lib.dd_sparse_attend.restype = ctypes.c_int
