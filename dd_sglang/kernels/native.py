@@ -1,13 +1,14 @@
 """The CPU kernels (``cpu_select.c``): built at first use with the system C compiler.
 
 * :func:`spec_host_select`: ``spec_host``'s whole selection for a chunk of layers, every row
-  and KV head, the same arithmetic as
-  :meth:`dd_sglang.prefetch.selectors.SpecHostSelector.score_layers` followed by the top-k,
+  and KV head (:class:`LayerSelection`: the same, bound once a step and called layer by layer),
+  the same arithmetic as :meth:`dd_sglang.prefetch.selectors.SpecHostSelector.score_layers` followed by the top-k,
   one task per (layer, row) with no tensor of intermediate scores (the PyTorch version
   dispatches ~40 operations per chunk and writes every candidate's score for every query head
   to memory and back); also ``host_sync``'s and verification's scoring.
 * :func:`measure_hits`: the sampled prefetch hit-rate measurement of one layer.
-* :func:`gather_rows`: a row copy into the layer ring (each row once, no temporary).
+* :func:`gather_rows`: a row copy into the layer ring (each row once, no temporary); :func:`gather_sets`:
+  the same for sets of host slots, the row indices built in C.
 * :func:`sparse_attend`: the fused sparse decode attention of a layer (:mod:`dd_sglang.kernels.native_attend`).
 
 ``tests/test_native_select.py`` checks each against its PyTorch counterpart.
@@ -50,8 +51,9 @@ from dd_sglang.kernels.native_build import (
 )
 
 __all__ = ["ATTEND_PARALLEL_TASKS", "FLAGS", "GATHER_SERIAL_BYTES", "MAX_HEAD_DIM", "MAX_QUERIES", "SOURCE",
-           "NativeUnavailable", "available", "build", "LayerSelection", "copy_rows_unchecked", "gather_rows", "gather_rows_unchecked", "gather_sets",
-           "load", "measure_hits", "quantize_keys", "sparse_attend", "spec_host_select", "unavailable_reason"]
+           "LayerSelection", "NativeUnavailable", "available", "build", "copy_rows_unchecked", "gather_rows",
+           "gather_rows_unchecked", "gather_sets", "load", "measure_hits", "quantize_keys", "sparse_attend",
+           "spec_host_select", "unavailable_reason"]
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -183,7 +185,8 @@ class LayerSelection:
             self._n_pages, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
-            raise ValueError(f"the CPU selection kernel refused the bound shape {self._fixed}, k and m {self._tail[1:]}")
+            raise ValueError(f"the CPU selection kernel refused the bound shape {self._fixed}, "
+                             f"k and m {self._tail[1:]}")  # fmt: skip
         return self.positions[0], self.chosen[0]
 
 
