@@ -1,8 +1,9 @@
 /* dd_sglang CPU kernels: the spec_host selector's whole pipeline, one (layer, row) per task
  * (dd_spec_host_select, dd_spec_host_select_par), the sampled hit-rate measurement
  * (dd_measure) and the ring row copies (dd_gather_rows, dd_gather_sets, dd_copy_rows).
- * Compiled at first use by dd_sglang/kernels/native.py (cc -O3 -march=native -fopenmp) and called through ctypes;
- * the parallel entry points run on the OpenMP threads of the libgomp PyTorch loaded.
+ * Compiled at first use by dd_sglang/kernels/native.py (cc -O3 -march=native -fopenmp) and
+ * called through ctypes; the parallel entry points run on the OpenMP threads of the libgomp
+ * PyTorch loaded.
  *
  * Per task, the same arithmetic as SpecHostSelector.score_layers + Selector.select_layers
  * (dd_sglang/prefetch/selectors.py), in float32:
@@ -1263,7 +1264,6 @@ static inline void kv_row(const void *src, int bf16, int D, float *dst) {
 #endif
     for (int d = 0; d < D; d++) dst[d] = act_load(src, bf16, d);
 }
-
 
 /* One (row r, KV head h) task: every query of the row's positions that have an output token
  * (Q = positions x G query vectors) scored against the union of their columns in one pass over

@@ -126,10 +126,13 @@ class RingGather:
         one C call that builds no index (:func:`~dd_sglang.kernels.native.gather_sets`: a set chosen at
         attention time is copied on the forward thread, every layer). Returns the bytes moved."""
         hk, hv = self.host_k[layer], self.host_v[layer]
-        if (self.native and k_dst.dtype == hk.dtype and hk.is_contiguous() and hv.is_contiguous()
-                and k_dst.is_contiguous() and v_dst.is_contiguous()):  # fmt: skip
+        if self.native and hk.is_contiguous() and hv.is_contiguous() and self._c_slot(k_dst, v_dst):
             return native_kernel.gather_sets(hk, hv, k_dst, v_dst, slots.contiguous(), rows.to(torch.int64), c0)
         return self.copy(layer, flat_rows(slots), k_dst, v_dst, rows, c0, slots.shape[2], slot)
+
+    def _c_slot(self, k_dst: torch.Tensor, v_dst: torch.Tensor) -> bool:
+        """Whether the C copies write this slot: contiguous, the host tier's dtype."""
+        return k_dst.dtype == self.host_k.dtype and k_dst.is_contiguous() and v_dst.is_contiguous()
 
     def _copy_kernel(self, layer, src_rows, k_dst, v_dst, rows, c0, width, slot) -> int:
         """``kernel``: SGLang's transfer kernel reads the pinned host tier from the GPU."""
@@ -148,7 +151,7 @@ class RingGather:
         PyTorch's indexing)."""
         d = self.host_k.shape[3]
         src_k, src_v = self.host_k[layer].view(-1, d), self.host_v[layer].view(-1, d)
-        if k_dst.dtype != src_k.dtype or not (k_dst.is_contiguous() and v_dst.is_contiguous()):
+        if not self._c_slot(k_dst, v_dst):
             return self._copy_cpu(layer, src_rows, k_dst, v_dst, rows, c0, width, slot)
         dst = self._dst_rows(rows, k_dst.shape, c0, width)
         native_kernel.gather_rows(src_k, src_v, k_dst.view(-1, d), v_dst.view(-1, d), src_rows, dst)

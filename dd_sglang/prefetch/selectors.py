@@ -280,17 +280,21 @@ class SpecHostSelector(Selector):
         """The C kernel's selection bound for a step (:class:`~dd_sglang.kernels.native.LayerSelection`:
         the same sets as :meth:`select`, without its per-call conversions), or None where
         :meth:`select_layers` would take the PyTorch path."""
+        if k < 1 or not self._kernel_takes(rows, index, k, q_heads, host_k.shape[3]):
+            return None
         slots, ok = rows.tokens
         m = self._m(k)
-        if (not self.native or index is None or k < 1 or m >= slots.shape[-1]
-                or q_heads > native_kernel.MAX_QUERIES or host_k.shape[3] > native_kernel.MAX_HEAD_DIM):
-            return None
         pages = self._pages(index, slice(0, host_k.shape[0]), m)
         return native_kernel.LayerSelection(slots, ok, index.q8, index.scale, host_k, k, m, q_heads, pages)
 
+    def _kernel_takes(self, rows, index, k: int, q_heads: int, head_dim: int) -> bool:
+        """Whether the C kernel selects (else the PyTorch path): built, an index, fewer re-ranked than
+        the rows' candidate positions (else every candidate is scored exactly), a shape it takes."""
+        return (self.native and index is not None and self._m(k) < rows.tokens[0].shape[-1]
+                and q_heads <= native_kernel.MAX_QUERIES and head_dim <= native_kernel.MAX_HEAD_DIM)
+
     def select_layers(self, q, rows, host_k, k, scale, index, layers, out=None):
-        if (not self.native or index is None or self._m(k) >= rows.tokens[0].shape[-1]
-                or q.shape[2] > native_kernel.MAX_QUERIES or q.shape[3] > native_kernel.MAX_HEAD_DIM):
+        if not self._kernel_takes(rows, index, k, q.shape[2], q.shape[3]):
             return super().select_layers(q, rows, host_k, k, scale, index, layers, out)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
